@@ -1,0 +1,134 @@
+"""Command line: `qwen3tts-agent say ...` streams speech to a WAV file; `qwen3tts-agent serve ...` runs the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+
+from .errors import Qwen3TTSAgentError
+from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"
+
+
+def demo_reference() -> tuple[np.ndarray, int]:
+    """A 3 s voiced synthetic signal, used as the reference when a Base model is given no --voice."""
+    t = np.arange(3 * SAMPLE_RATE) / SAMPLE_RATE
+    f0 = 140 + 20 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
+    wave = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.6 + 0.4 * np.sin(2 * np.pi * 2.5 * t) ** 2)
+    return (0.25 * wave / np.abs(wave).max()).astype(np.float32), SAMPLE_RATE
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="hub id, local checkpoint folder, or synthetic:<tiny|0.6b|1.7b>[-<base|customvoice|voicedesign>]")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def _add_say(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("say", help="stream speech for a text into a WAV file")
+    p.add_argument("text")
+    _add_model_args(p)
+    p.add_argument("--out", default="out.wav", help="output WAV file (24 kHz mono)")
+    p.add_argument("--voice", help="reference recording to clone (Base models)")
+    p.add_argument("--ref-text", help="transcript of --voice (in-context cloning); without it only the speaker embedding is used")
+    p.add_argument("--speaker", help="named speaker (CustomVoice models)")
+    p.add_argument("--instruct", help="voice/style instruction (VoiceDesign; CustomVoice 1.7B)")
+    p.add_argument("--language", default="auto")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--greedy", action="store_true", help="deterministic decoding")
+    p.add_argument("--max-frames", type=int, default=SamplingParams.max_frames, help="cap at N x 80 ms of audio")
+    p.add_argument("--chunk-schedule", default=",".join(map(str, DEFAULT_CHUNK_SCHEDULE)),
+                   help="frames per streamed chunk, e.g. 1,2,4,8 (the last repeats)")
+    p.add_argument("--stream-text", action="store_true", help="feed the text word by word, as an LLM would")
+    p.set_defaults(func=_say)
+
+
+def _say(args: argparse.Namespace) -> int:
+    import soundfile as sf
+    from tqdm import tqdm
+
+    from .engine.engine import Engine
+
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    try:
+        voice = Voice(speaker=args.speaker, instruct=args.instruct)
+        if engine.model_type == "base":
+            if args.voice:
+                reference: object = args.voice
+            else:
+                print("no --voice given: cloning a built-in synthetic reference signal (pass --voice REF.wav for a real voice)")
+                reference = demo_reference()
+            prompt = engine.create_voice(reference, args.ref_text, x_vector_only=not args.ref_text)  # type: ignore[arg-type]
+            voice = Voice(prompt=prompt)
+        elif engine.model_type == "custom_voice" and not args.speaker:
+            voice = Voice(speaker=engine.speakers[0], instruct=args.instruct)
+            print(f"no --speaker given: using {voice.speaker!r} (available: {', '.join(engine.speakers)})")
+        sampling = SamplingParams(seed=args.seed, max_frames=args.max_frames)
+        if args.greedy:
+            sampling = SamplingParams.greedy(seed=args.seed, max_frames=args.max_frames)
+        schedule = tuple(int(n) for n in args.chunk_schedule.split(","))
+        stream = engine.open_stream(
+            None if args.stream_text else args.text, voice=voice, language=args.language,
+            sampling=sampling, chunk_schedule=schedule, text_layout=TextLayout.INTERLEAVED,
+        )
+        if args.stream_text:
+            for word in args.text.split(" "):
+                stream.push_text(word + " ")
+            stream.close_input()
+        with sf.SoundFile(args.out, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as wav, \
+                tqdm(desc="speaking", unit="s audio", bar_format="{desc}: {n:.2f}{unit} [{elapsed}]") as bar:
+            for chunk in stream.chunks():
+                wav.write(chunk.pcm)
+                bar.update(chunk.duration)
+        result = stream.result
+        print(f"wrote {args.out}: {result.audio_seconds:.2f} s of audio, {result.frames} frames ({result.finish_reason})")
+        print(f"first audio: {1000 * (result.first_audio_latency or 0):.1f} ms   "
+              f"real-time factor: {result.real_time_factor:.2f}x (audio s / wall s)   device: {engine.device}")
+        return 0
+    finally:
+        engine.close()
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    try:
+        from .server.cli import add_serve_command
+    except ImportError as exc:
+        p = sub.add_parser("serve", help="run the streaming server (needs the [server] extra)")
+        p.set_defaults(func=lambda _a: _missing_extra("server", exc))
+        return
+    add_serve_command(sub)
+
+
+def _missing_extra(extra: str, exc: Exception) -> int:
+    print(f"error: {exc}. Install it with: pip install 'qwen3tts-agent[{extra}]'", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qwen3tts-agent", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_say(sub)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    try:
+        return int(args.func(args) or 0)
+    except Qwen3TTSAgentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        logging.getLogger(__name__).info("done in %.1f s", time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

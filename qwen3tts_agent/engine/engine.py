@@ -1,0 +1,651 @@
+"""The engine: one thread owns the model and steps every live stream together, frame by frame.
+
+Callers talk to it only through commands (open, text, close, cancel) that the thread applies between
+frames, and through `SpeechStream`s that it fills with audio chunks. So a cancel takes effect at the next
+frame boundary, a new stream joins the running batch at the next frame, and no asyncio loop ever waits on
+the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import (
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidTextError,
+    Qwen3TTSAgentError,
+    UnknownVoiceError,
+    UnsupportedFeatureError,
+    UnsupportedLanguageError,
+)
+from .codec import StreamingCodecDecoder
+from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
+from .prompt import PromptBody, PromptBuilder, PromptSpec
+from .runner import ModelRunner
+from .stream import SpeechStream
+from .text import IncrementalText, TextTokenizer
+from .types import (
+    DEFAULT_CHUNK_SCHEDULE,
+    SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    AudioChunk,
+    ChunkTimings,
+    SamplingParams,
+    StreamResult,
+    TextLayout,
+    Voice,
+    VoicePrompt,
+)
+from .voices import AudioInput, VoiceEncoder, load_voice, save_voice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    active_streams: int
+    queued_streams: int
+    max_streams: int
+    frames_generated: int
+    streams_started: int
+    cancels: int
+    errors: int
+
+
+@dataclass
+class _Request:
+    """Engine-thread state of one stream."""
+
+    stream: SpeechStream
+    spec: PromptSpec
+    sampling: SamplingParams
+    schedule: tuple[int, ...]
+    text: IncrementalText
+    text_ids: list[int] = field(default_factory=list)  # final target tokens so far
+    closed: bool = False
+    slot: int | None = None
+    body_done: bool = False
+    consumed: int = 0  # target tokens already placed in the prompt body or the text track
+    track_len: int = 0  # text-track tokens handed to the runner
+    eos_fed: bool = False
+    position: int = 0  # talker cache length, mirrored on the host to size attention without a sync
+    frames: int = 0  # frames received
+    frames_launched: int = 0  # frames queued on the device (may run one step ahead)
+    chunk_index: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)  # codes [16] not yet decoded
+    pending_start: int = 0
+    codes: list[list[int]] = field(default_factory=list)
+    prefill_done: float = 0.0
+    first_frame: float = 0.0
+    finish_reason: str = ""
+
+    def next_chunk_frames(self) -> int:
+        return self.schedule[min(self.chunk_index, len(self.schedule) - 1)]
+
+
+@dataclass
+class _HostBuffers:
+    """Host copies of one step's outputs (pinned on CUDA so the copies run asynchronously)."""
+
+    active: torch.Tensor
+    codes: torch.Tensor
+    finished: torch.Tensor
+
+
+@dataclass
+class _Launched:
+    rows: list[_Request]
+    host: _HostBuffers
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class _Decoding:
+    chunks: list[tuple[_Request, int, int, bool]]  # request, frame_start, frame_end, is_last
+    pcm: torch.Tensor  # [len(chunks), samples] on the host
+    event: torch.cuda.Event | None
+
+
+class Engine:
+    """Qwen3-TTS streaming engine. Create with `Engine.load`; see API in the package README."""
+
+    def __init__(
+        self,
+        official: object,
+        *,
+        max_streams: int = 16,
+        max_queue: int = 64,
+        max_seq_len: int = 2048,
+        max_text_chars: int = 4000,
+        chunk_schedule: Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
+        keep_codes: bool = False,
+        use_cuda_graphs: bool = True,
+    ) -> None:
+        self._official = official
+        model = official.model  # type: ignore[attr-defined]
+        self.model = model
+        cfg = model.config
+        self.model_type: str = cfg.tts_model_type
+        self.model_size: str = cfg.tts_model_size
+        self.device = next(model.talker.parameters()).device
+        self.dtype = next(model.talker.parameters()).dtype
+        self.sample_rate = SAMPLE_RATE
+        talker_cfg = cfg.talker_config
+        self._language_ids: dict[str, int] = {k.lower(): int(v) for k, v in talker_cfg.codec_language_id.items()}
+        self.languages = ["auto"] + sorted(k for k in self._language_ids if "dialect" not in k)
+        self._speaker_ids: dict[str, int] = {k.lower(): int(v) for k, v in (talker_cfg.spk_id or {}).items()}
+        self._speaker_dialect: dict[str, str | bool] = {
+            k.lower(): v for k, v in (talker_cfg.spk_is_dialect or {}).items()
+        }
+        self.speakers = sorted(self._speaker_ids) if self.model_type == "custom_voice" else []
+        self.max_streams = max_streams
+        self.max_queue = max_queue
+        self.max_text_chars = max_text_chars
+        self.chunk_schedule = tuple(chunk_schedule)
+        self._keep_codes = keep_codes
+
+        self.tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
+        self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
+        max_text_tokens = max_seq_len
+        self._runner = ModelRunner(model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens)
+        decoder = model.speech_tokenizer.model.decoder
+        self._codec = StreamingCodecDecoder(decoder, max_streams=max_streams)
+        self._voices = VoiceEncoder(official) if self.model_type == "base" else None
+
+        self._commands: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
+        self._waiting: list[_Request] = []  # admitted, no slot yet
+        self._running: dict[int, _Request] = {}  # slot -> request
+        self._by_stream: dict[int, _Request] = {}
+        self._free_slots = list(range(max_streams))
+        heapq.heapify(self._free_slots)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._open_count = 0  # streams opened and not finished (admission control)
+        self._stats = dict(frames_generated=0, streams_started=0, cancels=0, errors=0)
+        self._closed = False
+        self._launched: _Launched | None = None
+        self._decoding: collections.deque[_Decoding] = collections.deque()
+        self._finishing: list[_Request] = []  # ended, last chunk still decoding
+        pin = self.device.type == "cuda"
+        self._host_buffers = [
+            _HostBuffers(
+                active=torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin),
+                codes=torch.zeros(max_streams, self._runner.num_groups, dtype=torch.int64, pin_memory=pin),
+                finished=torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+        self._step_parity = 0
+        # on a GPU the host reads a step's results while the next step runs; on the CPU there is nothing to overlap
+        self._pipelined = pin
+        self._codec_stream = torch.cuda.Stream(self.device) if pin else None
+        self._graphs: GraphedFrameStep | None = None
+        if pin and use_cuda_graphs:
+            self._graphs = GraphedFrameStep(
+                self._runner,
+                power_of_two_buckets(max_streams),
+                power_of_two_buckets(max_seq_len, start=min(128, max_seq_len)),
+            )
+        self._thread = threading.Thread(target=self._loop, name="qwen3tts-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def load(
+        cls,
+        model: str = "Qwen/Qwen3-TTS-12Hz-0.6B-Base",
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        cache_dir: Path | None = None,
+        progress: bool = True,
+        **engine_kwargs: object,
+    ) -> Engine:
+        """Load a checkpoint (hub id, local folder or `synthetic:<size>[-<type>]`) and start the engine thread.
+
+        Blocking: from async code use `await asyncio.to_thread(Engine.load, ...)`.
+        """
+        from ..models.loading import load_official_model
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        official = load_official_model(model, device=device, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        return cls(official, **engine_kwargs)  # type: ignore[arg-type]
+
+    @property
+    def supports_instruct(self) -> bool:
+        return self.model_type == "voice_design" or (self.model_type == "custom_voice" and self.model_size != "0b6")
+
+    # ----------------------------------------------------------------- voices
+    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+        """Encode a reference voice once (cached by content). Blocking; thread-safe."""
+        if self._voices is None:
+            raise UnsupportedFeatureError(f"voice cloning needs a Base model; this one is {self.model_type}")
+        return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only)
+
+    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+        import asyncio
+
+        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
+
+    save_voice = staticmethod(save_voice)
+    load_voice = staticmethod(load_voice)
+
+    # ----------------------------------------------------------------- streams
+    def _prompt_spec(self, voice: Voice, language: str, layout: TextLayout) -> PromptSpec:
+        lang = (language or "auto").lower()
+        if lang != "auto" and lang not in self._language_ids:
+            raise UnsupportedLanguageError(f"unknown language {language!r}; supported: {', '.join(self.languages)}")
+        language_id = None if lang == "auto" else self._language_ids[lang]
+        speaker_id = None
+        if self.model_type == "base":
+            if voice.prompt is None:
+                raise UnknownVoiceError("a Base model speaks with a cloned voice: pass Voice(prompt=engine.create_voice(...))")
+            if voice.speaker or voice.instruct:
+                raise UnsupportedFeatureError("Base models take neither named speakers nor instructions")
+        elif self.model_type == "custom_voice":
+            if voice.prompt is not None:
+                raise UnsupportedFeatureError("voice cloning needs a Base model")
+            name = (voice.speaker or "").lower()
+            if name not in self._speaker_ids:
+                raise UnknownVoiceError(f"unknown speaker {voice.speaker!r}; supported: {', '.join(self.speakers)}")
+            speaker_id = self._speaker_ids[name]
+            dialect = self._speaker_dialect.get(name, False)
+            if lang in ("chinese", "auto") and dialect:
+                language_id = self._language_ids[str(dialect)]
+            if voice.instruct and not self.supports_instruct:
+                raise UnsupportedFeatureError("instructions need the 1.7B CustomVoice model")
+        else:  # voice_design
+            if voice.prompt is not None or voice.speaker:
+                raise UnsupportedFeatureError("VoiceDesign models take an instruction, not a speaker or cloned voice")
+        instruct_ids = tuple(self.tokenizer.instruct_ids(voice.instruct)) if voice.instruct else ()
+        clone = voice.prompt
+        ref_ids = tuple(self.tokenizer.ref_ids(clone.ref_text)) if clone is not None and clone.ref_codes is not None else ()
+        return PromptSpec(language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout))
+
+    def open_stream(
+        self,
+        text: str | None = None,
+        *,
+        voice: Voice | None = None,
+        language: str = "auto",
+        sampling: SamplingParams | None = None,
+        chunk_schedule: Sequence[int] | None = None,
+        text_layout: TextLayout | str = TextLayout.INTERLEAVED,
+    ) -> SpeechStream:
+        """Start an utterance. With `text` the input is complete; otherwise push deltas and close_input().
+
+        Validation happens here, synchronously, with typed errors.
+        """
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        sampling = sampling or SamplingParams()
+        if sampling.max_frames < 1:
+            raise InvalidTextError("max_frames must be at least 1")
+        schedule = tuple(chunk_schedule or self.chunk_schedule)
+        if not schedule or any(int(n) < 1 for n in schedule):
+            raise ValueError(f"chunk schedule must be positive frame counts, got {schedule}")
+        if text is not None:
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidTextError("text is empty")
+            if len(text) > self.max_text_chars:
+                raise InvalidTextError(f"text longer than {self.max_text_chars} characters")
+        spec = self._prompt_spec(voice or Voice(), language, TextLayout(text_layout))
+        with self._lock:
+            if self._open_count >= self.max_streams + self.max_queue:
+                raise EngineOverloadedError(
+                    f"busy: {self._open_count} streams open (limit {self.max_streams} running + {self.max_queue} queued)"
+                )
+            self._open_count += 1
+        stream = SpeechStream(self, f"s{next(self._ids)}", self.max_text_chars)
+        if sampling.seed is None:
+            sampling = SamplingParams(**{**asdict(sampling), "seed": int.from_bytes(np.random.bytes(6), "little")})
+        request = _Request(stream, spec, sampling, schedule, IncrementalText(self.tokenizer))
+        self._command(("open", request, None))
+        if text is not None:
+            stream.push_text(text)
+            stream.close_input()
+        return stream
+
+    async def synthesize(self, text: str, **kwargs: object) -> AsyncIterator[AudioChunk]:
+        """Whole text in, audio chunks out as they are ready. Cancels the stream if the consumer stops early."""
+        stream = self.open_stream(text, **kwargs)  # type: ignore[arg-type]
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            if not stream.done:
+                stream.cancel()
+
+    def synthesize_blocking(self, text: str, **kwargs: object) -> tuple[np.ndarray, StreamResult]:
+        """Whole utterance as one float32 array (the simple case of streaming)."""
+        stream = self.open_stream(text, **kwargs)  # type: ignore[arg-type]
+        pcm = [chunk.pcm for chunk in stream.chunks()]
+        return (np.concatenate(pcm) if pcm else np.zeros(0, np.float32)), stream.result
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            open_count = self._open_count
+        running = len(self._running)
+        return EngineStats(
+            active_streams=running,
+            queued_streams=max(0, open_count - running),
+            max_streams=self.max_streams,
+            **self._stats,
+        )
+
+    def warmup(self) -> None:
+        """Run one short utterance end to end so no caller pays first-call costs."""
+        voice = Voice()
+        if self.model_type == "base":
+            t = np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE
+            ref = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+            voice = Voice(prompt=self.create_voice((ref, SAMPLE_RATE), "Warm up.", x_vector_only=True))
+        elif self.model_type == "custom_voice":
+            voice = Voice(speaker=self.speakers[0])
+        self.synthesize_blocking("Warm up.", voice=voice, sampling=SamplingParams(max_frames=4, ignore_eos=True))
+
+    def close(self) -> None:
+        """Stop the engine thread; open streams end with EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._command(("shutdown", None, None))
+        self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------- engine thread
+    def _command(self, command: tuple[str, object, object]) -> None:
+        self._commands.put(command)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            idle = not self._runnable() and not self._waiting_for_slot() and self._launched is None
+            try:
+                if idle and self._decoding:
+                    command = self._commands.get(timeout=0.001)
+                else:
+                    command = self._commands.get(block=idle)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command[0] == "shutdown":
+                    self._shutdown()
+                    return
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            try:
+                self._admit()
+                self._advance_prompts()
+                previous, self._launched = self._launched, None
+                if self._runnable():
+                    self._launched = self._launch_step()
+                if previous is not None:
+                    self._collect(previous)
+                if self._launched is not None and not self._pipelined:
+                    self._collect(self._launched)
+                    self._launched = None
+                self._deliver_decoded(wait=self._launched is None and not self._runnable())
+            except Exception as exc:  # noqa: BLE001 - the engine must outlive any one bad step
+                logger.exception("engine step failed; failing the streams in it")
+                self._launched = None
+                self._decoding.clear()
+                for request in list(self._running.values()) + self._finishing:
+                    self._finish(request, "error", exc)
+                self._finishing.clear()
+
+    def _waiting_for_slot(self) -> bool:
+        return bool(self._waiting) and bool(self._free_slots)
+
+    def _apply(self, command: tuple[str, object, object]) -> None:
+        kind, target, payload = command
+        if kind == "open":
+            request = target
+            assert isinstance(request, _Request)
+            self._by_stream[id(request.stream)] = request
+            self._waiting.append(request)
+            self._stats["streams_started"] += 1
+            return
+        request = self._by_stream.get(id(target))
+        if request is None:
+            return
+        if kind == "text":
+            request.text_ids += request.text.push(str(payload))
+        elif kind == "close":
+            request.text_ids += request.text.close()
+            request.closed = True
+        elif kind == "cancel":
+            self._stats["cancels"] += 1
+            self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            request = self._waiting.pop(0)
+            slot = heapq.heappop(self._free_slots)
+            request.slot = slot
+            request.stream.result.queue_wait = time.perf_counter() - request.stream.submitted
+            self._running[slot] = request
+            params = asdict(request.sampling)
+            self._runner.reset_slot(slot, params)
+            with self._codec_stream_context():
+                self._codec.reset(slot)
+                if request.spec.icl:
+                    self._codec.prime(slot, request.spec.clone.ref_codes.to(self.device))  # type: ignore[union-attr]
+            try:
+                head = self._prompts.head(request.spec)
+                self._runner.prefill(slot, head, sample=False)
+                request.position = head.shape[0]
+            except Exception as exc:  # noqa: BLE001
+                self._finish(request, "error", exc)
+
+    def _advance_prompts(self) -> None:
+        for request in list(self._running.values()):
+            try:
+                if not request.body_done:
+                    if not self._prompts.body_ready(request.spec, len(request.text_ids), request.closed):
+                        continue
+                    if request.closed and not request.text_ids:
+                        raise InvalidTextError("text is empty")
+                    body: PromptBody = self._prompts.body(request.spec, request.text_ids, request.closed)
+                    self._runner.prefill(request.slot, body.embeds, sample=True)  # type: ignore[arg-type]
+                    request.body_done = True
+                    request.prefill_done = time.perf_counter()
+                    request.position += body.embeds.shape[0]
+                    request.consumed = len(request.text_ids)
+                    self._feed_track(request, body.trailing_ids)
+                else:
+                    new_ids = request.text_ids[request.consumed :]
+                    request.consumed = len(request.text_ids)
+                    eos = [self._prompts.tts_eos_id] if request.closed and not request.eos_fed else []
+                    self._feed_track(request, new_ids + eos)
+            except Exception as exc:  # noqa: BLE001
+                self._finish(request, "error", exc)
+
+    def _feed_track(self, request: _Request, ids: list[int]) -> None:
+        if request.closed:
+            request.eos_fed = True
+        if ids:
+            self._runner.append_text(request.slot, request.track_len, ids)  # type: ignore[arg-type]
+            request.track_len += len(ids)
+
+    def _runnable(self) -> list[_Request]:
+        """Streams that can take one more frame now: prompt done, budget left, text-track token known."""
+        return [
+            r for r in self._running.values()
+            if r.body_done and not r.finish_reason and r.frames_launched < r.sampling.max_frames
+            and (r.eos_fed or r.frames_launched < r.track_len)
+        ]
+
+    def _launch_step(self) -> _Launched:
+        """Queue one frame for every runnable stream; its results are read one loop later."""
+        rows = self._runnable()
+        runner = self._runner
+        b = max(r.slot for r in rows) + 1  # type: ignore[type-var]
+        kv_len = max(r.position for r in rows) + 1
+        host = self._host_buffers[self._step_parity]
+        self._step_parity ^= 1
+        host.active.zero_()
+        for r in rows:
+            host.active[r.slot] = True
+        runner.active.copy_(host.active, non_blocking=True)
+        if self._graphs is not None and self._graphs.captured:
+            b, kv_len = self._graphs.bucket(b, kv_len)
+            self._graphs(b, kv_len)
+        else:
+            in_batch = [r for r in self._running.values() if r.slot < b]  # type: ignore[operator]
+            runner.frame_step(
+                b,
+                kv_len,
+                talker_sampling=any(r.sampling.do_sample for r in in_batch),
+                predictor_sampling=any(r.sampling.subtalker_do_sample for r in in_batch),
+            )
+        host.codes[:b].copy_(runner.frame_codes[:b], non_blocking=True)
+        host.finished[:b].copy_(runner.finished[:b], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for r in rows:
+            r.position += 1
+            r.frames_launched += 1
+        return _Launched(rows, host, event)
+
+    def _collect(self, launched: _Launched) -> None:
+        """Read a finished step's codes and EOS flags, and start decoding the chunks that are due."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        codes = launched.host.codes.numpy()
+        finished = launched.host.finished.numpy()
+        now = time.perf_counter()
+        due: dict[int, list[_Request]] = {}
+        for r in launched.rows:
+            if r.finish_reason:  # ended (EOS, cancel) while this step was in flight: drop its frame
+                continue
+            slot = r.slot
+            assert slot is not None
+            self._stats["frames_generated"] += 1
+            if r.frames == 0:
+                r.first_frame = now
+            r.pending.append(codes[slot].copy())
+            if self._keep_codes:
+                r.codes.append(codes[slot].tolist())
+            r.frames += 1
+            if finished[slot]:
+                r.finish_reason = "eos"
+            elif r.frames >= r.sampling.max_frames:
+                r.finish_reason = "max_frames"
+            if r.finish_reason or len(r.pending) >= r.next_chunk_frames():
+                due.setdefault(len(r.pending), []).append(r)
+        for n_frames, group in due.items():
+            self._decode(group, n_frames)
+        for r in launched.rows:
+            if r.finish_reason and r.slot is not None:
+                self._release(r)
+                self._finishing.append(r)
+
+    def _decode(self, group: list[_Request], n_frames: int) -> None:
+        """Decode the due chunks of a group (same chunk length) in one batched call, on the codec stream."""
+        slots = [r.slot for r in group]
+        codes = torch.from_numpy(np.stack([np.stack(r.pending) for r in group]))
+        with self._codec_stream_context():
+            pcm = self._codec.decode(slots, codes.to(self.device, non_blocking=False))  # type: ignore[arg-type]
+            host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+            host.copy_(pcm, non_blocking=True)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        chunks = []
+        for r in group:
+            chunks.append((r, r.pending_start, r.pending_start + n_frames, bool(r.finish_reason)))
+            r.pending = []
+            r.pending_start += n_frames
+            r.chunk_index += 1
+        self._decoding.append(_Decoding(chunks, host, event))
+
+    def _codec_stream_context(self) -> object:
+        return torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else contextlib.nullcontext()
+
+    def _deliver_decoded(self, wait: bool) -> None:
+        """Hand finished decodes to their streams, oldest first; block on the oldest only if `wait`."""
+        while self._decoding:
+            decoding = self._decoding[0]
+            if decoding.event is not None and not decoding.event.query():
+                if not wait:
+                    return
+                decoding.event.synchronize()
+            self._decoding.popleft()
+            ready = time.perf_counter()
+            pcm = decoding.pcm.numpy()
+            for (r, start, end, is_last), audio in zip(decoding.chunks, pcm):
+                chunk = AudioChunk(
+                    pcm=audio.copy(), frame_start=start, frame_end=end, is_last=is_last,
+                    timings=ChunkTimings(r.stream.submitted, r.prefill_done, r.first_frame, ready),
+                )
+                result = r.stream.result
+                if result.first_audio_latency is None:
+                    result.first_audio_latency = ready - r.stream.submitted
+                result.frames = end
+                result.audio_seconds = end * SAMPLES_PER_FRAME / SAMPLE_RATE
+                r.stream._deliver(chunk)
+                if is_last:
+                    self._finishing.remove(r)
+                    self._close(r, r.finish_reason)
+
+    def _release(self, request: _Request) -> None:
+        """Give the request's slot back (new requests may take it at once: device work stays ordered)."""
+        if request.slot is not None:
+            self._running.pop(request.slot, None)
+            heapq.heappush(self._free_slots, request.slot)
+            request.slot = None
+        elif request in self._waiting:
+            self._waiting.remove(request)
+
+    def _finish(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
+        """End a request now (cancel, error): release it and close its stream without waiting for audio."""
+        request.finish_reason = reason
+        self._release(request)
+        if request in self._finishing:
+            self._finishing.remove(request)
+        self._close(request, reason, error)
+
+    def _close(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
+        self._by_stream.pop(id(request.stream), None)
+        if request.stream.done:
+            return
+        result = request.stream.result
+        result.finish_reason = reason
+        result.wall_seconds = time.perf_counter() - request.stream.submitted
+        result.codes = request.codes
+        if error is not None:
+            self._stats["errors"] += 1
+            if not isinstance(error, Qwen3TTSAgentError):
+                logger.error("stream %s failed: %r", request.stream.id, error)
+        with self._lock:
+            self._open_count -= 1
+        request.stream._finish(error)
+
+    def _shutdown(self) -> None:
+        for request in list(self._running.values()) + list(self._waiting) + list(self._finishing):
+            self._finish(request, "error", EngineClosedError("engine is closed"))

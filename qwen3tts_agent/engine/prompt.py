@@ -1,0 +1,136 @@
+"""Prompt (prefill) construction, exactly as `Qwen3TTSForConditionalGeneration.generate` lays it out.
+
+Every position is a text-track embedding plus a codec-track embedding. A prompt has a head that does not
+depend on the target text (instruct, role, codec tags, speaker) and a body that does; with text streaming
+in, the head can be run as soon as the request arrives and the body once enough text is final. The text
+that the body does not take is fed one token per frame afterwards (the "trailing" text track).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .types import TextLayout, VoicePrompt
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """What a request's prompt depends on, apart from the target text."""
+
+    language_id: int | None  # codec language token; None for "auto"
+    speaker_id: int | None = None  # CustomVoice named speaker token
+    clone: VoicePrompt | None = None  # Base: x-vector (and reference codes in ICL mode)
+    instruct_ids: tuple[int, ...] = ()
+    ref_text_ids: tuple[int, ...] = ()  # ICL reference transcript tokens
+    layout: TextLayout = TextLayout.INTERLEAVED
+
+    @property
+    def icl(self) -> bool:
+        return self.clone is not None and self.clone.ref_codes is not None
+
+
+@dataclass(frozen=True)
+class PromptBody:
+    embeds: torch.Tensor  # [t, hidden]
+    trailing_ids: list[int]  # text-track ids for the following frames (tts_pad after them)
+
+
+class PromptBuilder:
+    """Builds prompt embeddings from the official modules of a loaded model."""
+
+    def __init__(self, model: torch.nn.Module, role_ids: list[int]) -> None:
+        talker = model.talker
+        self._cfg = model.config
+        self._tcfg = model.config.talker_config
+        self._codec_embedding = talker.model.codec_embedding
+        self._predictor_embeddings = list(talker.code_predictor.model.codec_embedding)
+        self._text_embedding = talker.model.text_embedding
+        self._text_projection = talker.text_projection
+        self._device = next(talker.parameters()).device
+        self._dtype = next(talker.parameters()).dtype
+        self._role_ids = role_ids
+
+    @property
+    def tts_eos_id(self) -> int:
+        return int(self._cfg.tts_eos_token_id)
+
+    def _text(self, ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+        t = torch.tensor(list(ids), device=self._device, dtype=torch.long)
+        return self._text_projection(self._text_embedding(t))
+
+    def _codec(self, ids: list[int]) -> torch.Tensor:
+        return self._codec_embedding(torch.tensor(ids, device=self._device, dtype=torch.long))
+
+    def _ref_code_embeds(self, codes: torch.Tensor) -> torch.Tensor:
+        """Per-frame sum of the 16 codebook embeddings of the reference codes [frames, 16]."""
+        codes = codes.to(self._device)
+        parts = [self._codec_embedding(codes[:, 0])]
+        parts += [emb(codes[:, i + 1]) for i, emb in enumerate(self._predictor_embeddings)]
+        return torch.stack(parts, dim=1).sum(1)
+
+    @torch.inference_mode()
+    def head(self, spec: PromptSpec) -> torch.Tensor:
+        cfg = self._tcfg
+        if spec.language_id is None:
+            tags = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
+        else:
+            tags = [cfg.codec_think_id, cfg.codec_think_bos_id, spec.language_id, cfg.codec_think_eos_id]
+        codec = [self._codec(tags)]
+        if spec.clone is not None:
+            codec.append(spec.clone.speaker_embedding.to(self._device, self._dtype).view(1, -1))  # type: ignore[union-attr]
+        elif spec.speaker_id is not None:
+            codec.append(self._codec([spec.speaker_id]))
+        codec.append(self._codec([cfg.codec_pad_id]))  # codec_bos, the last codec-prefix token, opens the body
+        codec_prefix = torch.cat(codec)
+        n = codec_prefix.shape[0]
+        text_track = self._text([self._cfg.tts_pad_token_id] * (n - 1) + [self._cfg.tts_bos_token_id])
+        parts = []
+        if spec.instruct_ids:
+            parts.append(self._text(spec.instruct_ids))
+        parts.append(self._text(self._role_ids))
+        parts.append(text_track + codec_prefix)
+        return torch.cat(parts)
+
+    def body_ready(self, spec: PromptSpec, n_text: int, closed: bool) -> bool:
+        """Whether the body can be built from `n_text` final target tokens."""
+        if closed:
+            return True
+        if spec.layout is TextLayout.PREFILL:
+            return False
+        if spec.icl:
+            return len(spec.ref_text_ids) + n_text >= self._icl_codec_len(spec)
+        return n_text >= 1
+
+    def _icl_codec_len(self, spec: PromptSpec) -> int:
+        return 1 + int(spec.clone.ref_codes.shape[0])  # type: ignore[union-attr]
+
+    @torch.inference_mode()
+    def body(self, spec: PromptSpec, text_ids: list[int], closed: bool) -> PromptBody:
+        """The text-dependent prompt part; `text_ids` are the final target tokens known so far."""
+        cfg = self._tcfg
+        pad, eos = self._cfg.tts_pad_token_id, self.tts_eos_id
+        tail = [eos] if closed else []
+        if spec.icl:
+            all_ids = list(spec.ref_text_ids) + text_ids + tail
+            codec = torch.cat([self._codec([cfg.codec_bos_id]), self._ref_code_embeds(spec.clone.ref_codes)])  # type: ignore[union-attr]
+            if spec.layout is TextLayout.PREFILL:
+                embeds = torch.cat([
+                    self._text(all_ids) + self._codec([cfg.codec_pad_id] * len(all_ids)),
+                    codec + self._text([pad]),
+                ])
+                return PromptBody(embeds, [])
+            n_codec = codec.shape[0]
+            if len(all_ids) > n_codec:
+                return PromptBody(self._text(all_ids[:n_codec]) + codec, all_ids[n_codec:])
+            return PromptBody(self._text(all_ids + [pad] * (n_codec - len(all_ids))) + codec, [])
+        if spec.layout is TextLayout.PREFILL:
+            ids = text_ids + tail
+            embeds = torch.cat([
+                self._text(ids) + self._codec([cfg.codec_pad_id] * len(ids)),
+                self._text([pad]) + self._codec([cfg.codec_bos_id]),
+            ])
+            return PromptBody(embeds, [])
+        first = self._text(text_ids[:1]) + self._codec([cfg.codec_bos_id])
+        return PromptBody(first, text_ids[1:] + tail)

@@ -1,0 +1,175 @@
+"""The caller's side of one utterance: push text in, iterate audio out, cancel — from any thread or event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidTextError, StreamCancelledError
+from .types import AudioChunk, StreamResult
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class SpeechStream:
+    """One utterance. Chunks arrive from the engine thread; text and cancel go to it as commands.
+
+    Iterate it with `async for` (event loops) or `chunks()` (threads). After `cancel()`/`acancel()` returns,
+    no further chunk is yielded, including chunks already produced but not yet consumed.
+    """
+
+    def __init__(self, engine: Engine, stream_id: str, max_text_chars: int) -> None:
+        self.id = stream_id
+        self.result = StreamResult()
+        self.submitted = time.perf_counter()
+        self._engine = engine
+        self._max_text_chars = max_text_chars
+        self._text_chars = 0
+        self._input_closed = False
+        self._lock = threading.Condition()
+        self._chunks: collections.deque[AudioChunk] = collections.deque()
+        self._done = False
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._wakers: list[Callable[[], None]] = []
+        self._cancel_ack = threading.Event()
+        self._cancel_requested_at = 0.0
+
+    # ----------------------------------------------------------------- input
+    def push_text(self, delta: str) -> None:
+        """Append text (any granularity, e.g. LLM tokens). Thread-safe and non-blocking."""
+        if self._cancelled:
+            raise StreamCancelledError(f"stream {self.id} was cancelled")
+        if self._input_closed:
+            raise InvalidTextError("text pushed after close_input()")
+        if not isinstance(delta, str):
+            raise InvalidTextError(f"text must be str, got {type(delta).__name__}")
+        if not delta:
+            return
+        self._text_chars += len(delta)
+        if self._text_chars > self._max_text_chars:
+            self.cancel()
+            raise InvalidTextError(f"text longer than {self._max_text_chars} characters")
+        self._engine._command(("text", self, delta))
+
+    def close_input(self) -> None:
+        """No more text: the utterance ends at the model's end token after the text."""
+        if self._input_closed or self._cancelled:
+            return
+        self._input_closed = True
+        self._engine._command(("close", self, None))
+
+    # ----------------------------------------------------------------- cancel
+    def cancel(self) -> None:
+        """Stop at the next frame boundary (fire and forget). Undelivered chunks are dropped at once."""
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            self._cancel_requested_at = time.perf_counter()
+            self._chunks.clear()
+            already_done = self._done
+            self._lock.notify_all()
+        self._wake()
+        if already_done:
+            self._cancel_ack.set()
+        else:
+            self._engine._command(("cancel", self, None))
+
+    async def acancel(self) -> float:
+        """Cancel and wait until the engine has dropped the request; returns that latency in seconds."""
+        started = time.perf_counter()
+        self.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self._cancel_ack.wait)
+        return time.perf_counter() - started
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    # ----------------------------------------------------------------- output (engine thread side)
+    def _deliver(self, chunk: AudioChunk) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._chunks.append(chunk)
+            self._lock.notify_all()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._done = True
+            self._error = error
+            self._lock.notify_all()
+        if self._cancelled:
+            self.result.cancel_latency = time.perf_counter() - self._cancel_requested_at
+        self._cancel_ack.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            wakers = list(self._wakers)
+        for wake in wakers:
+            wake()
+
+    # ----------------------------------------------------------------- output (consumer side)
+    def _pop(self) -> AudioChunk | None:
+        """Next chunk, None at the end; raises the stream's error. Caller holds the lock."""
+        if self._chunks:
+            return self._chunks.popleft()
+        if self._cancelled or self._done:
+            if self._error is not None and not self._cancelled:
+                raise self._error
+            return None
+        raise BlockingIOError
+
+    def chunks(self, timeout: float | None = None) -> Iterator[AudioChunk]:
+        """Blocking iterator over the audio chunks."""
+        while True:
+            with self._lock:
+                while True:
+                    try:
+                        chunk = self._pop()
+                        break
+                    except BlockingIOError:
+                        if not self._lock.wait(timeout):
+                            raise TimeoutError(f"no audio from stream {self.id} within {timeout}s") from None
+            if chunk is None:
+                return
+            yield chunk
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(ready.set)
+
+        with self._lock:
+            self._wakers.append(wake)
+        try:
+            while True:
+                ready.clear()
+                with self._lock:
+                    try:
+                        chunk = self._pop()
+                    except BlockingIOError:
+                        chunk = ...
+                if chunk is None:
+                    return
+                if chunk is ...:
+                    await ready.wait()
+                    continue
+                yield chunk
+        finally:
+            with self._lock:
+                self._wakers.remove(wake)

@@ -1,0 +1,134 @@
+"""Public value types of the engine: what a request asks for and what a stream yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+SAMPLE_RATE = 24_000
+SAMPLES_PER_FRAME = 1_920  # one 12.5 Hz codec frame = 80 ms at 24 kHz
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters; defaults are the official `qwen-tts` ones.
+
+    `max_frames` caps the audio at max_frames * 80 ms. `ignore_eos` forbids the end token so every
+    request yields exactly `max_frames` frames (fixed-length generation for benchmarks).
+    """
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_do_sample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    seed: int | None = None
+    max_frames: int = 2047
+    ignore_eos: bool = False
+
+    @classmethod
+    def greedy(cls, **overrides: object) -> SamplingParams:
+        """Deterministic decoding for both the talker and the code predictor (used for parity)."""
+        base = dict(do_sample=False, subtalker_do_sample=False)
+        base.update(overrides)
+        return cls(**base)  # type: ignore[arg-type]
+
+
+class TextLayout(str, Enum):
+    """How the target text meets the codec track (the official `non_streaming_mode`).
+
+    INTERLEAVED feeds one text token per audio frame (official non_streaming_mode=False) and is the only
+    layout that can start speaking before all text has arrived. PREFILL puts the whole text into the
+    prompt (official non_streaming_mode=True, the official default for CustomVoice and VoiceDesign).
+    """
+
+    INTERLEAVED = "interleaved"
+    PREFILL = "prefill"
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Who speaks and how. Which fields apply depends on the model type.
+
+    - Base: `prompt` (a cloned voice from `Engine.create_voice`), required.
+    - CustomVoice: `speaker` (a named speaker), required; `instruct` on 1.7B only.
+    - VoiceDesign: `instruct` (a description of the voice), may be empty.
+    """
+
+    speaker: str | None = None
+    instruct: str | None = None
+    prompt: VoicePrompt | None = None
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A reference voice encoded once (speaker embedding, reference codes and text), reusable across requests.
+
+    `voice_id` is a content hash of the reference audio, text and mode, so the same reference gives the same id.
+    Tensors live on the CPU; the engine moves them to its device.
+    """
+
+    voice_id: str
+    speaker_embedding: object  # torch.Tensor [hidden]
+    ref_codes: object | None  # torch.Tensor [frames, 16] (ICL mode) or None (x-vector only)
+    ref_text: str | None
+    x_vector_only: bool
+
+
+@dataclass(frozen=True)
+class ChunkTimings:
+    """Monotonic clock readings (time.perf_counter seconds) along one chunk's way."""
+
+    submitted: float
+    prefill_done: float
+    first_frame: float
+    ready: float
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A piece of a stream's audio: 24 kHz mono float32 PCM for codec frames [frame_start, frame_end)."""
+
+    pcm: np.ndarray
+    frame_start: int
+    frame_end: int
+    is_last: bool
+    timings: ChunkTimings
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def pcm16(self) -> bytes:
+        """Little-endian int16 PCM bytes (the wire format of most voice stacks)."""
+        return (np.clip(self.pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / self.sample_rate
+
+
+@dataclass
+class StreamResult:
+    """Summary of a finished stream, filled in by the engine."""
+
+    frames: int = 0
+    audio_seconds: float = 0.0
+    first_audio_latency: float | None = None  # submit -> first chunk ready, seconds
+    wall_seconds: float = 0.0
+    queue_wait: float = 0.0  # submit -> slot assigned, seconds
+    cancel_latency: float | None = None  # cancel() -> engine dropped the request, seconds
+    finish_reason: str = ""  # "eos" | "max_frames" | "cancelled" | "error"
+    codes: list[list[int]] = field(default_factory=list)  # [frames][16], kept for parity tests
+
+    @property
+    def real_time_factor(self) -> float:
+        """Audio seconds per wall second (>1 is faster than real time)."""
+        return self.audio_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+DEFAULT_CHUNK_SCHEDULE: tuple[int, ...] = (1, 2, 4, 8)

@@ -1,0 +1,133 @@
+"""Reference voices: validated once, encoded once with the official encoders, cached and saved by content."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import soundfile as sf
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import InvalidReferenceAudioError, InvalidRequestError
+from .types import VoicePrompt
+
+AudioInput = Union[str, Path, bytes, tuple[np.ndarray, int]]
+
+MIN_REFERENCE_SECONDS = 1.0
+MAX_REFERENCE_SECONDS = 60.0
+_SILENCE_PEAK = 1e-3
+_VOICE_FORMAT = "qwen3tts-agent-voice/1"
+
+
+def read_reference_audio(audio: AudioInput) -> tuple[np.ndarray, int]:
+    """Decode and check a reference recording; returns mono float32 at its own sample rate.
+
+    Stereo is mixed down and other sample rates are kept (the official encoders resample), but audio that
+    cannot describe a voice is refused with a reason the caller can show.
+    """
+    try:
+        if isinstance(audio, tuple):
+            wav, sr = np.asarray(audio[0], dtype=np.float32), int(audio[1])
+        elif isinstance(audio, (bytes, bytearray)):
+            wav, sr = sf.read(io.BytesIO(audio), dtype="float32", always_2d=False)
+        elif isinstance(audio, (str, Path)):
+            wav, sr = sf.read(str(audio), dtype="float32", always_2d=False)
+        else:
+            raise InvalidReferenceAudioError(f"unsupported reference audio type {type(audio).__name__}")
+    except InvalidReferenceAudioError:
+        raise
+    except Exception as exc:  # soundfile raises several types for corrupt or unknown files
+        raise InvalidReferenceAudioError(f"could not read reference audio: {exc}") from exc
+    if wav.ndim == 2:
+        wav = wav.mean(axis=1 if wav.shape[1] <= 8 else 0)
+    if wav.ndim != 1:
+        raise InvalidReferenceAudioError(f"reference audio must be mono or multi-channel 1-D frames, got shape {wav.shape}")
+    if sr < 8000:
+        raise InvalidReferenceAudioError(f"reference sample rate {sr} Hz is too low (need >= 8000 Hz)")
+    if not np.all(np.isfinite(wav)):
+        raise InvalidReferenceAudioError("reference audio contains NaN or infinite samples")
+    seconds = len(wav) / sr
+    if seconds < MIN_REFERENCE_SECONDS:
+        raise InvalidReferenceAudioError(f"reference audio is {seconds:.2f} s; need at least {MIN_REFERENCE_SECONDS} s")
+    if seconds > MAX_REFERENCE_SECONDS:
+        raise InvalidReferenceAudioError(f"reference audio is {seconds:.1f} s; at most {MAX_REFERENCE_SECONDS} s")
+    if float(np.abs(wav).max()) < _SILENCE_PEAK:
+        raise InvalidReferenceAudioError("reference audio is silent")
+    return np.ascontiguousarray(wav, dtype=np.float32), sr
+
+
+def voice_id_for(wav: np.ndarray, sr: int, ref_text: str | None, x_vector_only: bool) -> str:
+    digest = hashlib.sha256()
+    digest.update(wav.tobytes())
+    digest.update(f"|{sr}|{int(x_vector_only)}|{ref_text or ''}".encode())
+    return "v_" + digest.hexdigest()[:20]
+
+
+class VoiceEncoder:
+    """Turns references into `VoicePrompt`s through the official `create_voice_clone_prompt`, with a cache."""
+
+    def __init__(self, official: object) -> None:
+        self._official = official
+        self._cache: dict[str, VoicePrompt] = {}
+        self._lock = threading.Lock()
+
+    def create(self, ref_audio: AudioInput, ref_text: str | None, *, x_vector_only: bool) -> VoicePrompt:
+        wav, sr = read_reference_audio(ref_audio)
+        if not x_vector_only and not (ref_text and ref_text.strip()):
+            raise InvalidRequestError("in-context cloning needs the reference transcript (ref_text); or set x_vector_only")
+        ref_text = None if x_vector_only else ref_text
+        voice_id = voice_id_for(wav, sr, ref_text, x_vector_only)
+        with self._lock:
+            cached = self._cache.get(voice_id)
+            if cached is not None:
+                return cached
+            with torch.inference_mode():
+                item = self._official.create_voice_clone_prompt(  # type: ignore[attr-defined]
+                    ref_audio=(wav, sr), ref_text=ref_text, x_vector_only_mode=x_vector_only
+                )[0]
+            prompt = VoicePrompt(
+                voice_id=voice_id,
+                speaker_embedding=item.ref_spk_embedding.detach().float().cpu(),
+                ref_codes=None if item.ref_code is None else item.ref_code.detach().long().cpu(),
+                ref_text=ref_text,
+                x_vector_only=x_vector_only,
+            )
+            self._cache[voice_id] = prompt
+            return prompt
+
+
+def save_voice(prompt: VoicePrompt, path: str | Path) -> None:
+    """Write a voice prompt as safetensors (no pickle), so a server can reload registrations safely."""
+    tensors = {"speaker_embedding": prompt.speaker_embedding.contiguous()}  # type: ignore[union-attr]
+    if prompt.ref_codes is not None:
+        tensors["ref_codes"] = prompt.ref_codes.contiguous()  # type: ignore[union-attr]
+    meta = {"format": _VOICE_FORMAT, "voice_id": prompt.voice_id, "x_vector_only": prompt.x_vector_only}
+    if prompt.ref_text is not None:
+        meta["ref_text"] = prompt.ref_text
+    save_file(tensors, str(path), metadata={"voice": json.dumps(meta)})
+
+
+def load_voice(path: str | Path) -> VoicePrompt:
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = json.loads((handle.metadata() or {})["voice"])
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise InvalidRequestError(f"{path} is not a saved voice: {exc}") from exc
+    if meta.get("format") != _VOICE_FORMAT:
+        raise InvalidRequestError(f"{path} has unknown voice format {meta.get('format')!r}")
+    return VoicePrompt(
+        voice_id=meta["voice_id"],
+        speaker_embedding=tensors["speaker_embedding"],
+        ref_codes=tensors.get("ref_codes"),
+        ref_text=meta.get("ref_text"),
+        x_vector_only=bool(meta["x_vector_only"]),
+    )

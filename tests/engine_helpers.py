@@ -1,0 +1,51 @@
+"""Shared helpers for engine tests: official models and engines over the tiny synthetic checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from qwen3tts_agent import Engine
+from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.models.loading import load_official_model
+
+REF_TEXT = "This is what my voice sounds like."
+TEXT = "Hello there, how can I help you today? The weather is lovely."
+
+
+@functools.lru_cache(maxsize=None)
+def official_model(spec: str) -> object:
+    """The official `Qwen3TTSModel` for a synthetic spec, loaded once per test session."""
+    return load_official_model(spec, device="cpu", dtype=torch.float32, progress=False)
+
+
+def engine_for(spec: str, **kwargs: object) -> Engine:
+    """An engine sharing the official model's weights (close it after use)."""
+    return Engine(official_model(spec), keep_codes=True, **kwargs)  # type: ignore[arg-type]
+
+
+def reference_audio(seconds: float = 3.0) -> tuple[np.ndarray, int]:
+    wav, sr = demo_reference()
+    return wav[: int(seconds * sr)], sr
+
+
+@contextlib.contextmanager
+def recorded_decode_codes(official: object) -> Iterator[list[torch.Tensor]]:
+    """Record the codes the official pipeline hands to its speech tokenizer (a pass-through spy)."""
+    tokenizer = official.model.speech_tokenizer  # type: ignore[attr-defined]
+    original = tokenizer.decode
+    seen: list[torch.Tensor] = []
+
+    def spy(encoded: list[dict[str, torch.Tensor]]) -> object:
+        seen.extend(item["audio_codes"].detach().cpu() for item in encoded)
+        return original(encoded)
+
+    tokenizer.decode = spy
+    try:
+        yield seen
+    finally:
+        tokenizer.decode = original
