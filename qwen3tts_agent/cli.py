@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from .errors import Qwen3TTSAgentError
 from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
+from .errors import Qwen3TTSAgentError
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"
 
@@ -100,8 +100,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     try:
         from .server.cli import add_serve_command
     except ImportError as exc:
+        missing = exc
         p = sub.add_parser("serve", help="run the streaming server (needs the [server] extra)")
-        p.set_defaults(func=lambda _a: _missing_extra("server", exc))
+        p.set_defaults(func=lambda _a: _missing_extra("server", missing))
         return
     add_serve_command(sub)
 

@@ -17,7 +17,7 @@ REF_TEXT = "This is what my voice sounds like."
 TEXT = "Hello there, how can I help you today? The weather is lovely."
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def official_model(spec: str) -> object:
     """The official `Qwen3TTSModel` for a synthetic spec, loaded once per test session."""
     return load_official_model(spec, device="cpu", dtype=torch.float32, progress=False)

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
-from tests.engine_helpers import REF_TEXT, TEXT, engine_for, official_model, recorded_decode_codes, reference_audio
+from tests.engine_helpers import (
+    REF_TEXT,
+    TEXT,
+    engine_for,
+    official_model,
+    recorded_decode_codes,
+    reference_audio,
+)
 
 FRAMES = 24
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1)
@@ -105,6 +112,6 @@ def test_batched_streams_match_single_streams() -> None:
         results = [first.result, *(s.result for s in others)]
     finally:
         engine.close()
-    for (pcm_alone, result_alone), pcm, result in zip(alone, together, results):
+    for (pcm_alone, result_alone), pcm, result in zip(alone, together, results, strict=True):
         assert result.codes == result_alone.codes
         np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)

@@ -40,7 +40,7 @@ def voice(engine: Engine) -> Voice:
 
 def _split_randomly(text: str, rng: random.Random) -> list[str]:
     cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
-    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 def test_incremental_tokenization_equals_whole_text() -> None:
@@ -165,6 +165,10 @@ def test_bad_requests_raise_typed_errors(engine: Engine, voice: Voice) -> None:
         engine.open_stream(TEXT)  # Base without a cloned voice
     with pytest.raises(UnsupportedFeatureError):
         engine.open_stream(TEXT, voice=Voice(prompt=voice.prompt, instruct="whisper"))
+    for bad in (SamplingParams(top_k=0), SamplingParams(top_k=10_000), SamplingParams(temperature=0.0),
+                SamplingParams(subtalker_top_p=0.0), SamplingParams(max_frames=0)):
+        with pytest.raises(InvalidRequestError):
+            engine.open_stream(TEXT, voice=voice, sampling=bad)
     stream = engine.open_stream(voice=voice, sampling=SamplingParams(max_frames=5))
     with pytest.raises(InvalidTextError):
         stream.push_text("y" * (engine.max_text_chars + 1))

@@ -13,26 +13,35 @@ from transformers.generation.logits_process import (
 )
 
 from qwen3tts_agent import SamplingParams, Voice
-from qwen3tts_agent.engine.sampling import SamplerRows, apply_repetition_penalty, uniform_noise, warp, warp_and_sample
+from qwen3tts_agent.engine.sampling import (
+    SamplerRows,
+    apply_repetition_penalty,
+    gumbel_noise,
+    sample,
+    uniform_noise,
+    warp_candidates,
+)
 from tests.engine_helpers import TEXT, engine_for, reference_audio
 
 
-def _rows(n: int, temperature: float, top_k: int, top_p: float, seed: int = 0) -> SamplerRows:
+def _rows(n: int, temperature: float, top_k: int, top_p: float) -> SamplerRows:
     return SamplerRows(
         do_sample=torch.ones(n, dtype=torch.bool), temperature=torch.full((n,), temperature),
         top_k=torch.full((n,), top_k, dtype=torch.int64), top_p=torch.full((n,), top_p),
-        seed=torch.full((n,), seed, dtype=torch.int64), counter=torch.arange(n, dtype=torch.int64),
     )
+
+
+def _dense(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.full((values.shape[0], vocab), float("-inf")).scatter(1, ids, values)
 
 
 def test_warping_equals_transformers() -> None:
     gen = torch.Generator().manual_seed(0)
-    for temperature, top_k, top_p in [(0.9, 50, 1.0), (0.7, 0, 0.8), (1.3, 10, 0.5), (1.0, 3072, 0.95), (0.5, 1, 1.0)]:
+    for temperature, top_k, top_p in [(0.9, 50, 1.0), (0.7, 64, 0.8), (1.3, 10, 0.5), (1.0, 40, 0.95), (0.5, 1, 1.0)]:
         scores = torch.randn(6, 3072, generator=gen) * 3
-        ours = warp(scores, _rows(6, temperature, top_k, top_p))
+        ours = _dense(*warp_candidates(scores, _rows(6, temperature, top_k, top_p), cap=64), vocab=3072)
         ref = TemperatureLogitsWarper(temperature)(None, scores.clone())
-        if top_k:
-            ref = TopKLogitsWarper(top_k)(None, ref)
+        ref = TopKLogitsWarper(top_k)(None, ref)
         if top_p < 1.0:
             ref = TopPLogitsWarper(top_p)(None, ref)
         assert torch.equal(torch.isinf(ours), torch.isinf(ref))
@@ -43,7 +52,7 @@ def test_per_row_parameters_differ_within_one_batch() -> None:
     scores = torch.randn(2, 100) * 2
     rows = _rows(2, 1.0, 5, 1.0)
     rows.top_k = torch.tensor([5, 20])
-    kept = (~torch.isinf(warp(scores, rows))).sum(1)
+    kept = (~torch.isinf(warp_candidates(scores, rows, cap=32)[0])).sum(1)
     assert kept.tolist() == [5, 20]
 
 
@@ -65,18 +74,19 @@ def test_repetition_penalty_min_length_and_suppression_equal_transformers() -> N
 def test_gumbel_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4)
-    rows = _rows(20000, 1.0, 0, 1.0, seed=12345)
-    draws = warp_and_sample(logits, rows)
+    rows = _rows(20000, 1.0, 4, 1.0)
+    gumbel = gumbel_noise(torch.full((20000,), 12345), torch.arange(20000).unsqueeze(1), 4)[:, 0]
+    draws = sample(logits, rows, gumbel, cap=4)
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
 
 
 def test_noise_is_a_pure_function_of_seed_and_counter() -> None:
-    a = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3]), 64)
-    b = uniform_noise(torch.tensor([7]), torch.tensor([3]), 64)
+    a = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([[3], [4], [3]]), 64)[:, 0]
+    b = uniform_noise(torch.tensor([7]), torch.tensor([[3]]), 64)[:, 0]
     assert torch.equal(a[0], b[0])
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
-    assert 0 < a.min() and a.max() < 1
+    assert a.min() > 0 and a.max() < 1
 
 
 def test_seeded_requests_are_reproducible() -> None:

@@ -64,10 +64,10 @@ class GraphedFrameStep:
             iterator = tqdm(keys, desc="capturing CUDA graphs", disable=not progress)
         except ImportError:  # pragma: no cover - tqdm is a dependency
             iterator = keys
-        with torch.cuda.stream(side):
-            runner.frame_step(keys[0][0], keys[0][1])  # first use: allocator, cuBLAS handles
-        torch.cuda.current_stream().wait_stream(side)
         for b, kv in iterator:
+            with torch.cuda.stream(side):  # eager first run of each shape: allocator, library kernel choice
+                runner.frame_step(b, kv)
+            torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 runner.frame_step(b, kv)

@@ -26,6 +26,7 @@ import torch
 from ..errors import (
     EngineClosedError,
     EngineOverloadedError,
+    InvalidRequestError,
     InvalidTextError,
     Qwen3TTSAgentError,
     UnknownVoiceError,
@@ -36,6 +37,7 @@ from .codec import StreamingCodecDecoder
 from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
 from .prompt import PromptBody, PromptBuilder, PromptSpec
 from .runner import ModelRunner
+from .sampling import DEFAULT_TOP_K_CAP
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer
 from .types import (
@@ -134,6 +136,7 @@ class Engine:
         chunk_schedule: Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
         keep_codes: bool = False,
         use_cuda_graphs: bool = True,
+        top_k_cap: int = DEFAULT_TOP_K_CAP,
     ) -> None:
         self._official = official
         model = official.model  # type: ignore[attr-defined]
@@ -161,7 +164,9 @@ class Engine:
         self.tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
         max_text_tokens = max_seq_len
-        self._runner = ModelRunner(model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens)
+        self._runner = ModelRunner(
+            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens, top_k_cap=top_k_cap
+        )
         decoder = model.speech_tokenizer.model.decoder
         self._codec = StreamingCodecDecoder(decoder, max_streams=max_streams)
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
@@ -281,6 +286,19 @@ class Engine:
         ref_ids = tuple(self.tokenizer.ref_ids(clone.ref_text)) if clone is not None and clone.ref_codes is not None else ()
         return PromptSpec(language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout))
 
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        cap = self._runner.top_k_cap
+        if sampling.max_frames < 1:
+            raise InvalidRequestError("max_frames must be at least 1")
+        for name, on in (("", sampling.do_sample), ("subtalker_", sampling.subtalker_do_sample)):
+            top_k, top_p, temperature = (getattr(sampling, name + k) for k in ("top_k", "top_p", "temperature"))
+            if on and not 1 <= top_k <= cap:
+                raise InvalidRequestError(f"{name}top_k must be in 1..{cap} (this engine's top_k_cap)")
+            if on and not (0.0 < top_p <= 1.0 and temperature > 0.0):
+                raise InvalidRequestError(f"{name}top_p must be in (0, 1] and {name}temperature > 0")
+        if sampling.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty must be > 0")
+
     def open_stream(
         self,
         text: str | None = None,
@@ -298,8 +316,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is closed")
         sampling = sampling or SamplingParams()
-        if sampling.max_frames < 1:
-            raise InvalidTextError("max_frames must be at least 1")
+        self._check_sampling(sampling)
         schedule = tuple(chunk_schedule or self.chunk_schedule)
         if not schedule or any(int(n) < 1 for n in schedule):
             raise ValueError(f"chunk schedule must be positive frame counts, got {schedule}")
@@ -352,8 +369,12 @@ class Engine:
             **self._stats,
         )
 
-    def warmup(self) -> None:
-        """Run one short utterance end to end so no caller pays first-call costs."""
+    def warmup(self, progress: bool = True) -> None:
+        """Capture the CUDA graphs and run one short utterance end to end, so no caller pays first-call costs."""
+        if self._graphs is not None and not self._graphs.captured:
+            done = threading.Event()
+            self._command(("capture", done, progress))
+            done.wait()
         voice = Voice()
         if self.model_type == "base":
             t = np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE
@@ -420,6 +441,13 @@ class Engine:
 
     def _apply(self, command: tuple[str, object, object]) -> None:
         kind, target, payload = command
+        if kind == "capture":  # on this thread: nothing else may touch the device during a capture
+            try:
+                assert self._graphs is not None
+                self._graphs.capture(progress=bool(payload))
+            finally:
+                target.set()  # type: ignore[attr-defined]
+            return
         if kind == "open":
             request = target
             assert isinstance(request, _Request)
@@ -598,7 +626,7 @@ class Engine:
             self._decoding.popleft()
             ready = time.perf_counter()
             pcm = decoding.pcm.numpy()
-            for (r, start, end, is_last), audio in zip(decoding.chunks, pcm):
+            for (r, start, end, is_last), audio in zip(decoding.chunks, pcm, strict=True):
                 chunk = AudioChunk(
                     pcm=audio.copy(), frame_start=start, frame_end=end, is_last=is_last,
                     timings=ChunkTimings(r.stream.submitted, r.prefill_done, r.first_frame, ready),

@@ -13,69 +13,11 @@ not active in a step still flow through the maths but write their KV to a scratc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .sampling import SamplerRows, apply_repetition_penalty, warp_and_sample
+from .layers import FusedDecoderLayer, rope_tables
+from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
 
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [..., head_dim] for integer positions, computed in float32 as the official rotary modules do."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _attention(
-    attn: torch.nn.Module,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    write_rows: torch.Tensor,
-    write_pos: torch.Tensor,
-    read_rows: slice,
-    read_len: int,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """Self-attention of a Qwen3-style layer (q/k RMSNorm, RoPE, GQA) over a static cache.
-
-    x: [b, t, hidden]; cos/sin: [b, t, head_dim]; write_rows: [b, 1] and write_pos: [b, t] say where the new
-    keys go; keys are then read from cache rows `read_rows`, positions [0, read_len), under `mask`
-    (bool, broadcastable to [b, heads, t, read_len]; None means plain causal over exactly t new keys).
-    """
-    b, t, _ = x.shape
-    head_dim = attn.head_dim
-    q = attn.q_norm(attn.q_proj(x).view(b, t, -1, head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(b, t, -1, head_dim)).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
-    cache_k[write_rows, :, write_pos] = k.transpose(1, 2)
-    cache_v[write_rows, :, write_pos] = v.transpose(1, 2)
-    keys = cache_k[read_rows, :, :read_len]
-    values = cache_v[read_rows, :, :read_len]
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, scale=attn.scaling
-    )
-    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-def _decoder_layer(layer: torch.nn.Module, x: torch.Tensor, **attn_kwargs: object) -> torch.Tensor:
-    h = x + _attention(layer.self_attn, layer.input_layernorm(x), **attn_kwargs)  # type: ignore[arg-type]
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 class ModelRunner:
@@ -88,6 +30,7 @@ class ModelRunner:
         max_slots: int,
         max_seq_len: int,
         max_text_tokens: int,
+        top_k_cap: int = DEFAULT_TOP_K_CAP,
     ) -> None:
         talker = model.talker
         cfg = model.config.talker_config
@@ -99,12 +42,13 @@ class ModelRunner:
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
+        self.top_k_cap = top_k_cap
         self.num_groups = cfg.num_code_groups
         self.vocab_size = cfg.vocab_size
         self.eos_id = cfg.codec_eos_token_id
         self.tts_pad_id = model.config.tts_pad_token_id
 
-        self.layers = list(talker.model.layers)
+        self.layers = [FusedDecoderLayer(layer) for layer in talker.model.layers]
         self.norm = talker.model.norm
         self.codec_head = talker.codec_head
         self.codec_embedding = talker.model.codec_embedding
@@ -113,23 +57,25 @@ class ModelRunner:
         self.inv_freq = talker.model.rotary_emb.inv_freq.to(self.device)
 
         predictor = talker.code_predictor
-        self.p_layers = list(predictor.model.layers)
+        self.p_layers = [FusedDecoderLayer(layer) for layer in predictor.model.layers]
         self.p_norm = predictor.model.norm
         self.p_heads = list(predictor.lm_head)
         self.p_embeddings = list(predictor.model.codec_embedding)
         self.p_in_proj = predictor.small_to_mtp_projection
         p_inv_freq = predictor.model.rotary_emb.inv_freq.to(self.device)
         p_pos = torch.arange(PREDICTOR_POSITIONS, device=self.device)
-        self.p_cos, self.p_sin = _rope_tables(p_inv_freq, p_pos, self.dtype)
+        self.p_cos, self.p_sin = rope_tables(p_inv_freq, p_pos, self.dtype)
 
         dev, dt = self.device, self.dtype
-        kv_heads, head_dim = cfg.num_key_value_heads, self.layers[0].self_attn.head_dim
-        # one spare column per slot: inactive rows write their keys there
-        self.k_cache = [torch.zeros(max_slots, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt) for _ in self.layers]
-        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
-        p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].self_attn.head_dim
-        self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
-        self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
+        kv_heads, head_dim = cfg.num_key_value_heads, self.layers[0].head_dim
+        # keys and values together, one spare column per slot: inactive rows write their keys there
+        self.kv_cache = [
+            torch.zeros(max_slots, 2, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt) for _ in self.layers
+        ]
+        p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
+        self.p_kv_cache = [
+            torch.zeros(max_slots, 2, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers
+        ]
 
         long = dict(device=dev, dtype=torch.int64)
         # per-slot decode state
@@ -156,6 +102,8 @@ class ModelRunner:
         # step inputs and outputs
         self.active = torch.zeros(max_slots, device=dev, dtype=torch.bool)
         self.frame_codes = torch.zeros(max_slots, self.num_groups, **long)
+        self.frame_embeds = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
+        self.gumbel = torch.zeros(max_slots, self.num_groups, self.vocab_size, device=dev)  # this frame's noise
         self.finished = torch.zeros(max_slots, device=dev, dtype=torch.bool)
 
         # tokens 2048..3071 are control codes, never audio; only EOS among them may be sampled
@@ -163,6 +111,7 @@ class ModelRunner:
         self.suppress[self.vocab_size - 1024 :] = True
         self.suppress[self.eos_id] = False
         self._arange_slots = torch.arange(max_slots, device=dev)
+        self._predictor_positions = torch.arange(PREDICTOR_POSITIONS, device=dev)
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:
@@ -175,12 +124,12 @@ class ModelRunner:
         self.text_ids[slot] = self.tts_pad_id
         self.do_sample[slot] = bool(sampling["do_sample"])
         self.temperature[slot] = float(sampling["temperature"])
-        self.top_k[slot] = int(sampling["top_k"])
+        self.top_k[slot] = min(max(int(sampling["top_k"]), 1), self.top_k_cap)
         self.top_p[slot] = float(sampling["top_p"])
         self.repetition_penalty[slot] = float(sampling["repetition_penalty"])
         self.sub_do_sample[slot] = bool(sampling["subtalker_do_sample"])
         self.sub_temperature[slot] = float(sampling["subtalker_temperature"])
-        self.sub_top_k[slot] = int(sampling["subtalker_top_k"])
+        self.sub_top_k[slot] = min(max(int(sampling["subtalker_top_k"]), 1), self.top_k_cap)
         self.sub_top_p[slot] = float(sampling["subtalker_top_p"])
         self.seed[slot] = int(sampling["seed"])
         self.forbid_eos[slot] = bool(sampling["ignore_eos"])
@@ -200,12 +149,9 @@ class ModelRunner:
     def _talker_forward(
         self, x: torch.Tensor, write_rows: torch.Tensor, write_pos: torch.Tensor, read_rows: slice, read_len: int, mask: torch.Tensor
     ) -> torch.Tensor:
-        cos, sin = _rope_tables(self.inv_freq, write_pos, self.dtype)
-        for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache):
-            x = _decoder_layer(
-                layer, x, cos=cos, sin=sin, cache_k=ck, cache_v=cv, write_rows=write_rows,
-                write_pos=write_pos, read_rows=read_rows, read_len=read_len, mask=mask,
-            )
+        cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
+        for layer, cache in zip(self.layers, self.kv_cache, strict=True):
+            x = layer(x, cos, sin, cache, write_rows, write_pos, read_rows, read_len, mask)
         return self.norm(x)
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
@@ -214,25 +160,21 @@ class ModelRunner:
         cos = self.p_cos[start : start + t].expand(b, t, -1)
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
-        pos = torch.arange(start, start + t, device=self.device).expand(b, t)
-        for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache):
-            x = _decoder_layer(
-                layer, x, cos=cos, sin=sin, cache_k=ck, cache_v=cv, write_rows=rows,
-                write_pos=pos, read_rows=slice(0, b), read_len=start + t, mask=None,
-            )
+        pos = self._predictor_positions[start : start + t].expand(b, t)
+        for layer, cache in zip(self.p_layers, self.p_kv_cache, strict=True):
+            x = layer(x, cos, sin, cache, rows, pos, slice(0, b), start + t, None)
         return self.p_norm(x[:, -1])
 
-    def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
+    def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor, gumbel: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
         """Talker sampling for the given slots: the official processors, then warp and draw."""
         scores = apply_repetition_penalty(logits.float(), self.seen[rows], self.repetition_penalty[rows])
         eos_blocked = (self.n_sampled[rows] < 2) | self.forbid_eos[rows]
         scores = scores.masked_fill(self.suppress, float("-inf"))
         scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
         params = SamplerRows(
-            do_sample=self.do_sample[rows], temperature=self.temperature[rows], top_k=self.top_k[rows],
-            top_p=self.top_p[rows], seed=self.seed[rows], counter=self.n_sampled[rows] * self.num_groups,
+            do_sample=self.do_sample[rows], temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows]
         )
-        return warp_and_sample(scores, params, any_sampling)
+        return sample(scores, params, gumbel, self.top_k_cap, any_sampling)
 
     def _after_code0(self, rows: torch.Tensor, code0: torch.Tensor, hidden: torch.Tensor, act: torch.Tensor) -> None:
         """Record a sampled codebook-0 token for `rows` where `act` is set."""
@@ -265,7 +207,8 @@ class ModelRunner:
         if sample:
             last = hidden[:, -1]
             row = rows.view(1)
-            code0 = self._sample_code0(self.codec_head(last), row)
+            gumbel = gumbel_noise(self.seed[row], self.n_sampled[row].unsqueeze(1) * self.num_groups, self.vocab_size)
+            code0 = self._sample_code0(self.codec_head(last), row, gumbel[:, 0])
             self._after_code0(row, code0, last, torch.ones(1, device=self.device, dtype=torch.bool))
 
     @torch.inference_mode()
@@ -276,36 +219,45 @@ class ModelRunner:
         `kv_len` must exceed every active slot's position. The sampling flags may be False only when no row
         in [0, b) samples (a host-side shortcut for greedy decoding on the CPU).
         """
-        act = self.active[:b]
-        rows = self._arange_slots[:b]
+        self.predict_codes(b, predictor_sampling)
+        self.talker_step(b, kv_len, talker_sampling)
+
+    def predict_codes(self, b: int, sampling: bool = True) -> None:
+        """The 15-step code predictor: fills `frame_codes` and `frame_embeds` (sum of the 16 code embeddings)."""
         code0 = self.code0[:b]
         sub = SamplerRows(
             do_sample=self.sub_do_sample[:b], temperature=self.sub_temperature[:b], top_k=self.sub_top_k[:b],
-            top_p=self.sub_top_p[:b], seed=self.seed[:b], counter=torch.zeros_like(code0),
+            top_p=self.sub_top_p[:b],
         )
-        counter_base = (self.n_sampled[:b] - 1) * self.num_groups
-
+        # one draw counter per code: predictor codes 1..15 of this frame, then the talker's next codebook-0
+        base = (self.n_sampled[:b] - 1) * self.num_groups
+        counters = base.unsqueeze(1) + 1 + torch.arange(self.num_groups, device=self.device)
+        self.gumbel[:b] = gumbel_noise(self.seed[:b], counters, self.vocab_size)
         embeds = [self.codec_embedding(code0)]
         codes = [code0]
         x = torch.stack([self.past_hidden[:b], embeds[0]], dim=1)
         for j in range(self.num_groups - 1):
             hidden = self._predictor_forward(x, b, start=0 if j == 0 else j + 1)
-            sub.counter = counter_base + j + 1
-            code = warp_and_sample(self.p_heads[j](hidden), sub, predictor_sampling)
+            code = sample(self.p_heads[j](hidden), sub, self.gumbel[:b, j], self.top_k_cap, sampling)
             codes.append(code)
             embeds.append(self.p_embeddings[j](code))
             x = embeds[-1].unsqueeze(1)
         self.frame_codes[:b] = torch.stack(codes, dim=1)
+        self.frame_embeds[:b] = torch.stack(embeds, dim=1).sum(1)
 
+    def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
+        """Talker on this frame's codes plus the next text-track token, then sample the next codebook-0 token."""
+        act = self.active[:b]
+        rows = self._arange_slots[:b]
         step = self.step_idx[:b]
         text_id = self.text_ids[rows, step.clamp(max=self.max_text_tokens - 1)]
         text_id = torch.where(step < self.text_len[:b], text_id, torch.full_like(text_id, self.tts_pad_id))
-        x = torch.stack(embeds, dim=1).sum(1) + self.text_track_embeddings(text_id)
+        x = self.frame_embeds[:b] + self.text_track_embeddings(text_id)
 
-        write_pos = torch.where(act, self.pos[:b], torch.full_like(code0, self.max_seq_len)).unsqueeze(1)
+        write_pos = torch.where(act, self.pos[:b], torch.full_like(step, self.max_seq_len)).unsqueeze(1)
         mask = (torch.arange(kv_len, device=self.device).unsqueeze(0) <= write_pos).view(b, 1, 1, kv_len)
         hidden = self._talker_forward(x.unsqueeze(1), rows.unsqueeze(1), write_pos, slice(0, b), kv_len, mask)[:, 0]
-        new_code0 = self._sample_code0(self.codec_head(hidden), rows, talker_sampling)
+        new_code0 = self._sample_code0(self.codec_head(hidden), rows, self.gumbel[:b, self.num_groups - 1], sampling)
         self._after_code0(rows, new_code0, hidden, act)
         self.pos[:b] += act.long()
         self.step_idx[:b] += act.long()

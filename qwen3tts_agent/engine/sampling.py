@@ -1,8 +1,9 @@
 """Batched, per-row logits processing and sampling that never leaves the device.
 
 Each row carries its own parameters as tensors, so one captured CUDA graph serves requests with different
-settings. The processing order and arithmetic follow transformers' `generate` (repetition penalty, minimum
-length, token suppression, then temperature, top-k, top-p), which is what the official package runs.
+settings. The processing follows transformers' `generate` (repetition penalty, minimum length, token
+suppression, then temperature, top-k, top-p), which is what the official package runs. Top-k works on the
+`cap` best candidates only (a fixed size, so the step stays one graph), which is exact for top_k <= cap.
 Random draws come from a counter-based hash of (seed, draw counter, vocabulary index): reproducible per
 request whatever else shares the batch, and free of host synchronisation.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+DEFAULT_TOP_K_CAP = 64
 
 
 def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
@@ -24,12 +26,17 @@ def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) float32 noise of shape [rows, vocab] from per-row seed and counter (int64 [rows])."""
+    """Uniform (0, 1) float32 noise [*counter.shape, vocab] from per-row seeds [rows] and counters [rows, ...]."""
     index = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    h = _pcg_hash((seed & _MASK32).unsqueeze(1) ^ _pcg_hash(index).unsqueeze(0))
-    h = _pcg_hash(h ^ (counter & _MASK32).unsqueeze(1))
-    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32).unsqueeze(1))
+    seed = seed.view(-1, *([1] * (counter.dim() - 1)), 1)
+    h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(index))
+    h = _pcg_hash(h ^ (counter & _MASK32).unsqueeze(-1))
+    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
     return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+
+
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
 
 
 @dataclass
@@ -38,10 +45,8 @@ class SamplerRows:
 
     do_sample: torch.Tensor  # bool
     temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int64; 0 disables
+    top_k: torch.Tensor  # int64, 1..cap
     top_p: torch.Tensor  # float32; 1.0 disables
-    seed: torch.Tensor  # int64
-    counter: torch.Tensor  # int64; distinct for every draw of a row
 
 
 def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -51,35 +56,33 @@ def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, scores)
 
 
-def warp(scores: torch.Tensor, rows: SamplerRows) -> torch.Tensor:
-    """transformers' Temperature, TopK and TopP warpers with per-row parameters (float32 in and out)."""
-    vocab = scores.shape[-1]
-    neg_inf = float("-inf")
-    warped = scores / rows.temperature.unsqueeze(1)
-    sorted_desc, _ = torch.sort(warped, dim=-1, descending=True)
-    k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), torch.full_like(rows.top_k, vocab))
-    kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))
-    warped = warped.masked_fill(warped < kth, neg_inf)
-    # ascending sort, drop the low tail whose mass is <= 1 - top_p, always keep the top token
-    sorted_asc, order = torch.sort(warped, dim=-1, descending=False)
-    cumulative = sorted_asc.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - rows.top_p).unsqueeze(1)
-    remove_sorted[:, -1] = False
-    remove = remove_sorted.scatter(1, order, remove_sorted)
-    return warped.masked_fill(remove, neg_inf)
+def warp_candidates(scores: torch.Tensor, rows: SamplerRows, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p on the `cap` best tokens: (warped logits [rows, cap], token ids).
+
+    Removed candidates are -inf; every other token of the vocabulary is implicitly -inf too.
+    """
+    values, ids = scores.topk(min(cap, scores.shape[-1]), dim=-1)
+    values = values / rows.temperature.unsqueeze(1)
+    rank = torch.arange(values.shape[-1], device=scores.device)
+    values = values.masked_fill(rank >= rows.top_k.unsqueeze(1), float("-inf"))
+    # transformers drops the low tail whose ascending cumulative mass is <= 1 - top_p; in descending order
+    # that is a token whose better-ranked mass is already >= top_p. The best token always stays.
+    probs = values.softmax(dim=-1)
+    better_mass = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill((better_mass >= rows.top_p.unsqueeze(1)) & (rank > 0), float("-inf"))
+    return values, ids
 
 
-def warp_and_sample(scores: torch.Tensor, rows: SamplerRows, any_sampling: bool = True) -> torch.Tensor:
-    """Warp and draw for sampling rows, argmax for greedy rows. Returns int64 [rows].
+def sample(scores: torch.Tensor, rows: SamplerRows, gumbel: torch.Tensor, cap: int, any_sampling: bool = True) -> torch.Tensor:
+    """Draw for sampling rows (Gumbel-max over the warped candidates), argmax for greedy rows. int64 [rows].
 
+    `gumbel` [rows, >= vocab] is indexed by token id so a row's draw does not depend on the candidate order.
     `any_sampling=False` (known on the host when every row is greedy) skips the warping work.
     """
     scores = scores.float()
     greedy = scores.argmax(dim=-1)
     if not any_sampling:
         return greedy
-    warped = warp(scores, rows)
-    # Gumbel-max over the warped logits equals sampling from their softmax.
-    gumbel = -torch.log(-torch.log(uniform_noise(rows.seed, rows.counter, scores.shape[-1])))
-    sampled = (warped + gumbel).argmax(dim=-1)
-    return torch.where(rows.do_sample, sampled, greedy)
+    values, ids = warp_candidates(scores, rows, cap)
+    choice = (values + gumbel.gather(1, ids)).argmax(dim=-1, keepdim=True)
+    return torch.where(rows.do_sample, ids.gather(1, choice).squeeze(1), greedy)

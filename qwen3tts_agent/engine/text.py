@@ -47,7 +47,7 @@ class TextTokenizer:
             return []
         boundary = pieces[-1][1][0]
         encoding = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
-        return [i for i, (_, end) in zip(encoding["input_ids"], encoding["offset_mapping"]) if end <= boundary]
+        return [i for i, (_, end) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True) if end <= boundary]
 
 
 class IncrementalText:

@@ -15,7 +15,8 @@ SAMPLES_PER_FRAME = 1_920  # one 12.5 Hz codec frame = 80 ms at 24 kHz
 class SamplingParams:
     """Decoding parameters; defaults are the official `qwen-tts` ones.
 
-    `max_frames` caps the audio at max_frames * 80 ms. `ignore_eos` forbids the end token so every
+    `top_k` must lie in 1..the engine's `top_k_cap` (64 by default) when sampling. `max_frames` caps the
+    audio at max_frames * 80 ms. `ignore_eos` forbids the end token so every
     request yields exactly `max_frames` frames (fixed-length generation for benchmarks).
     """
 

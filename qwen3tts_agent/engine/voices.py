@@ -7,7 +7,6 @@ import io
 import json
 import threading
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 import soundfile as sf
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import InvalidReferenceAudioError, InvalidRequestError
 from .types import VoicePrompt
 
-AudioInput = Union[str, Path, bytes, tuple[np.ndarray, int]]
+AudioInput = str | Path | bytes | tuple[np.ndarray, int]
 
 MIN_REFERENCE_SECONDS = 1.0
 MAX_REFERENCE_SECONDS = 60.0
