@@ -1,0 +1,289 @@
+"""Benchmark qwen3tts-agent: single-stream latency, frame cost, concurrency, Poisson load and cancel latency.
+
+Fixed-length generation (`ignore_eos`), ICL voice clone with a cached 3 s reference, the same text for every
+stream. Latencies are measured where a caller sees them: from just before `open_stream` to the first chunk
+arriving in an asyncio consumer. Writes a JSON report and prints a summary.
+
+    python benchmarks/bench_engine.py --model synthetic:0.6b --out results.json
+    python benchmarks/bench_engine.py --model synthetic:tiny --device cpu --quick   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
+from qwen3tts_agent.cli import demo_reference  # noqa: E402
+
+BENCH_TEXT = (
+    "Thanks for calling. I can help you change your booking today; could you tell me the reference "
+    "number and the name it was made under, please?"
+)
+REF_TEXT = "This is a short reference recording of my voice."
+
+
+@dataclass
+class StreamTiming:
+    submitted: float
+    first: float = 0.0
+    end: float = 0.0
+    audio_s: float = 0.0
+    worst_lag: float = 0.0  # max over chunks of arrival - (first arrival + audio played before it)
+
+    @property
+    def first_audio_ms(self) -> float:
+        return 1000 * (self.first - self.submitted)
+
+    @property
+    def rtf(self) -> float:
+        return self.audio_s / (self.end - self.submitted)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+async def run_stream(engine: Engine, voice: Voice, frames: int, seed: int) -> StreamTiming:
+    timing = StreamTiming(submitted=time.perf_counter())
+    stream = engine.open_stream(BENCH_TEXT, voice=voice, language="english",
+                                sampling=SamplingParams(seed=seed, max_frames=frames, ignore_eos=True))
+    played = 0.0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if not timing.first:
+            timing.first = now
+        timing.worst_lag = max(timing.worst_lag, now - (timing.first + played))
+        played += chunk.duration
+    timing.end = time.perf_counter()
+    timing.audio_s = played
+    assert stream.result.frames == frames, (stream.result.frames, frames)
+    return timing
+
+
+def summarize(timings: list[StreamTiming], wall: float) -> dict[str, float]:
+    first = [t.first_audio_ms for t in timings]
+    rtfs = [t.rtf for t in timings]
+    return {
+        "streams": len(timings),
+        "first_audio_ms_p50": pct(first, 50),
+        "first_audio_ms_p95": pct(first, 95),
+        "per_stream_rtf_min": min(rtfs),
+        "per_stream_rtf_p50": pct(rtfs, 50),
+        "streams_slower_than_real_time": sum(r < 1.0 for r in rtfs),
+        "streams_with_playback_stall": sum(t.worst_lag > 0.005 for t in timings),
+        "aggregate_audio_s_per_s": sum(t.audio_s for t in timings) / wall,
+        "wall_s": wall,
+    }
+
+
+async def concurrency(engine: Engine, voice: Voice, n: int, frames: int) -> dict[str, float]:
+    started = time.perf_counter()
+    timings = await asyncio.gather(*(run_stream(engine, voice, frames, seed=i) for i in range(n)))
+    return summarize(list(timings), time.perf_counter() - started)
+
+
+async def poisson(engine: Engine, voice: Voice, rate: float, window_s: float, frames: int, seed: int = 0) -> dict[str, float]:
+    rng = random.Random(seed)
+    tasks = []
+    started = time.perf_counter()
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > window_s:
+            break
+        delay = started + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(run_stream(engine, voice, frames, seed=len(tasks))))
+    timings = await asyncio.gather(*tasks)
+    result = summarize(list(timings), time.perf_counter() - started)
+    result["rate_per_s"] = rate
+    return result
+
+
+async def cancel_latency(engine: Engine, voice: Voice, background: int, trials: int) -> dict[str, float]:
+    """cancel() -> the engine thread has dropped the request, with `background` other streams running."""
+    sampling = SamplingParams(max_frames=100_000 // 80, ignore_eos=True)
+    others = [engine.open_stream(BENCH_TEXT, voice=voice, sampling=sampling) for _ in range(background)]
+    latencies, frames_after = [], []
+    for i in range(trials):
+        stream = engine.open_stream(BENCH_TEXT, voice=voice, sampling=SamplingParams(seed=i, max_frames=2000, ignore_eos=True))
+        async for chunk in stream:
+            if chunk.frame_end >= 4:
+                break
+        latencies.append(1000 * await stream.acancel())
+        frames_after.append(0 if not [c async for c in stream] else 1)
+    for other in others:
+        await other.acancel()
+    return {"background_streams": background, "cancel_ms_p50": pct(latencies, 50), "cancel_ms_p95": pct(latencies, 95),
+            "cancel_ms_max": max(latencies), "chunks_after_cancel": sum(frames_after)}
+
+
+def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> dict[str, dict[str, float]]:
+    """GPU time of one whole-frame graph replay, and of its two halves, per batch bucket (events, median)."""
+    runner = engine._runner
+    out: dict[str, dict[str, float]] = {}
+    side = torch.cuda.Stream()
+    for b in sizes:
+        graphs = {}
+        for name, fn in {
+            "frame": lambda b=b: runner.frame_step(b, kv_len),
+            "predictor_15_steps": lambda b=b: runner.predict_codes(b),
+            "talker_step": lambda b=b: runner.talker_step(b, kv_len),
+        }.items():
+            with torch.inference_mode():
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+            graphs[name] = graph
+        row = {}
+        for name, graph in graphs.items():
+            times = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            row[name + "_ms"] = statistics.median(times)
+        out[str(b)] = row
+        log(f"  graph batch {b}: frame {row['frame_ms']:.2f} ms (predictor {row['predictor_15_steps_ms']:.2f}, talker {row['talker_step_ms']:.2f})")
+    return out
+
+
+def codec_ms(engine: Engine, batch: int, frames: int, reps: int) -> float:
+    codec = engine._codec
+    codes = torch.randint(0, 2048, (batch, frames, 16), device=engine.device)
+    slots = list(range(batch))
+    for s in slots:
+        codec.reset(s)
+    codec.decode(slots, codes)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(reps):
+        codec.decode(slots, codes)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - started) / reps
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, object]:
+    from qwen3tts_agent.models.loading import load_official_model
+
+    cuda = args.device.startswith("cuda")
+    dtype = getattr(torch, args.dtype)
+    log(f"loading {args.model} on {args.device} ({args.dtype})")
+    official = load_official_model(args.model, device=args.device, dtype=dtype, progress=True)
+    if cuda:
+        torch.cuda.synchronize()
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    report: dict[str, object] = {
+        "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
+        "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "frames_per_stream": args.frames, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
+    }
+    reference = demo_reference()
+
+    # --- single stream, on an engine with one slot (its memory is what one stream costs)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len)
+    engine.warmup(progress=False)
+    voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
+    singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
+    steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
+    report["single_stream"] = {
+        **summarize(singles, sum(t.end - t.submitted for t in singles)),
+        "loop_ms_per_frame_p50": pct(steady_ms, 50),
+        "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+    }
+    log(f"single stream: {report['single_stream']}")
+    if cuda:
+        report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
+    engine.close()
+    del engine
+
+    if args.single_only:
+        return report
+    # --- many streams on one engine
+    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len)
+    started = time.perf_counter()
+    engine.warmup(progress=True)
+    report["warmup_s"] = time.perf_counter() - started
+    voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
+    if cuda:
+        report["graph_replay_batched"] = graph_frame_ms(
+            engine, [b for b in (8, 32, 64, 128, 256) if b <= args.max_streams], kv_len=min(256, args.max_seq_len), reps=20
+        )
+        report["codec_decode_ms"] = {f"batch{b}_frames{f}": codec_ms(engine, b, f, 10)
+                                     for b in (1, 32) for f in (1, 8) if b <= args.max_streams}
+        log(f"codec: {report['codec_decode_ms']}")
+    report["concurrency"] = {}
+    for n in args.concurrency:
+        if n > args.max_streams:
+            continue
+        result = await concurrency(engine, voice, n, args.frames)
+        report["concurrency"][str(n)] = result  # type: ignore[index]
+        log(f"concurrency {n}: {result}")
+    report["poisson"] = []
+    for rate in args.rates:
+        result = await poisson(engine, voice, rate, args.window, args.frames)
+        report["poisson"].append(result)  # type: ignore[union-attr]
+        log(f"poisson {rate}/s: {result}")
+    report["cancel"] = [await cancel_latency(engine, voice, bg, args.cancel_trials) for bg in args.cancel_background]
+    log(f"cancel: {report['cancel']}")
+    report["engine_stats"] = engine.stats().__dict__
+    engine.close()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:0.6b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--frames", type=int, default=100, help="fixed frames per stream (100 = 8 s)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--max-streams", type=int, default=256)
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[4, 8, 16, 24, 32])
+    parser.add_argument("--window", type=float, default=8.0, help="Poisson arrival window, seconds")
+    parser.add_argument("--cancel-trials", type=int, default=10)
+    parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
+    parser.add_argument("--single-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
+    parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.frames, args.runs, args.max_streams, args.max_seq_len = 12, 2, 4, 256
+        args.concurrency, args.rates, args.window, args.cancel_trials, args.cancel_background = [1, 4], [2.0], 1.5, 2, [0, 2]
+        args.dtype = "float32"
+    report = asyncio.run(main_async(args))
+    args.out.write_text(json.dumps(report, indent=2))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
