@@ -115,3 +115,27 @@ def test_batched_streams_match_single_streams() -> None:
     for (pcm_alone, result_alone), pcm, result in zip(alone, together, results, strict=True):
         assert result.codes == result_alone.codes
         np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+
+
+def test_end_of_speech_matches_official() -> None:
+    """With an EOS row that fires (synthetic checkpoints never end on their own), both stop on the same frame."""
+    official = official_model("synthetic:tiny-customvoice")
+    speaker = sorted(official.get_supported_speakers())[0]
+    head = official.model.talker.codec_head.weight
+    eos = official.model.config.talker_config.codec_eos_token_id
+    saved = head.data[eos].clone()
+    engine = engine_for("synthetic:tiny-customvoice")
+    try:
+        _, codes = _ours(engine, Voice(speaker=speaker), TextLayout.INTERLEAVED)
+        head.data[eos] = 2 * head.data[int(codes[8, 0])]  # EOS now outscores the code chosen around frame 8
+        with recorded_decode_codes(official) as seen:
+            official.generate_custom_voice(TEXT, speaker=speaker, language="english", non_streaming_mode=False, **GREEDY)
+        stream = engine.open_stream(TEXT, voice=Voice(speaker=speaker), language="english",
+                                    sampling=SamplingParams.greedy(max_frames=FRAMES))
+        chunks = list(stream.chunks(timeout=60))
+    finally:
+        head.data[eos] = saved
+        engine.close()
+    assert stream.result.finish_reason == "eos" and stream.result.frames < FRAMES
+    assert torch.equal(torch.tensor(stream.result.codes), seen[0].cpu())
+    assert chunks[-1].is_last and chunks[-1].frame_end == stream.result.frames

@@ -1,0 +1,100 @@
+"""Greedy parity of the engine (CUDA graphs, batched slots) with the official `qwen-tts` generation.
+
+fp32: the codes must be identical for every frame. bf16: reports token agreement (both sides in bf16 take
+different but equally valid rounding paths, so they drift apart after a while).
+
+    python benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 --out parity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
+from qwen3tts_agent.cli import demo_reference  # noqa: E402
+from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+
+TEXT = (
+    "Thanks for calling. I can help you change your booking today; could you tell me the reference "
+    "number and the name it was made under, please?"
+)
+REF_TEXT = "This is a short reference recording of my voice."
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def compare(model: str, device: str, dtype: torch.dtype, frames: int) -> dict[str, object]:
+    official = load_official_model(model, device=device, dtype=dtype, progress=True)
+    reference = demo_reference()
+    items = official.create_voice_clone_prompt(ref_audio=reference, ref_text=REF_TEXT)
+    captured: list[torch.Tensor] = []
+    decode = official.model.speech_tokenizer.decode
+    official.model.speech_tokenizer.decode = lambda enc: (captured.extend(e["audio_codes"].cpu() for e in enc), decode(enc))[1]
+    started = time.perf_counter()
+    wavs, _ = official.generate_voice_clone(
+        TEXT, language="english", voice_clone_prompt=items, do_sample=False, subtalker_dosample=False,
+        max_new_tokens=frames + 1,
+    )
+    official_s = time.perf_counter() - started
+    official.model.speech_tokenizer.decode = decode
+    ref_frames = items[0].ref_code.shape[0]
+    theirs = captured[0][ref_frames:]
+    log(f"official: {theirs.shape[0]} frames in {official_s:.1f} s")
+
+    engine = Engine(official, max_streams=4, max_seq_len=512, keep_codes=True)
+    engine.warmup(progress=False)
+    voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
+    # run beside another stream so the comparison covers batched steps too
+    other = engine.open_stream("Another caller speaks at the same time.", voice=voice,
+                               sampling=SamplingParams(max_frames=frames, ignore_eos=True, seed=3))
+    pcm, result = engine.synthesize_blocking(TEXT, voice=voice, language="english",
+                                             sampling=SamplingParams.greedy(max_frames=frames))
+    list(other.chunks())
+    engine.close()
+    ours = torch.tensor(result.codes)
+    n = min(len(ours), len(theirs))
+    equal_frames = (ours[:n] == theirs[:n]).all(dim=1)
+    first_diff = int((~equal_frames).nonzero()[0, 0]) if not bool(equal_frames.all()) else n
+    official_wav = wavs[0]
+    aligned = official_wav[len(official_wav) - len(pcm):] if len(official_wav) >= len(pcm) else official_wav
+    wav_err = float(np.abs(aligned - pcm[: len(aligned)]).max()) if first_diff == n else None
+    return {
+        "model": model, "dtype": str(dtype).replace("torch.", ""), "frames_official": int(theirs.shape[0]),
+        "frames_ours": int(len(ours)), "identical": bool(first_diff == n and len(ours) == len(theirs)),
+        "first_differing_frame": first_diff, "token_agreement": float((ours[:n] == theirs[:n]).float().mean()),
+        "frame_agreement": float(equal_frames.float().mean()), "max_wave_abs_error": wav_err, "official_seconds": official_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:0.6b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"))
+    args = parser.parse_args()
+    results = []
+    for name in args.dtypes.split(","):
+        result = compare(args.model, args.device, getattr(torch, name), args.frames)
+        log(f"{name}: {result}")
+        results.append(result)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                                    "torch": torch.__version__, "results": results}, indent=2))
+    if not results[0]["identical"] and results[0]["dtype"] == "float32":
+        sys.exit("fp32 codes differ from the official generation")
+
+
+if __name__ == "__main__":
+    main()

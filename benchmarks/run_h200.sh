@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
+# engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
+# benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
+# Stages: parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
+set -uo pipefail
+out=${1:?output folder}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+[ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl || exit 1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+  PYTHONPATH=/tmp/official python3 -c "import transformers; print('transformers (engine, official)', transformers.__version__)"
+  date -u; } | tee -a "$out/environment.txt"
+
+official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
+checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
+
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --concurrency 1,32,128 --rates 8 \
+                   --cancel-background 0 --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
+    peers-0.6b|peers-1.7b)
+      size=${stage#peers-}; ckpt=$(checkpoint "synthetic:$size")
+      official benchmarks/peers.py --system official --checkpoint "$ckpt" --frames 100 --runs 5 \
+        --out "$out/official-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
+      [ -d /tmp/faster ] || $install --target /tmp/faster .whl/faster/*.whl .whl/common/*.whl || exit 1
+      for c in 1 8; do
+        PYTHONPATH=/tmp/faster python3 benchmarks/peers.py --system faster --chunk-size $c --checkpoint "$ckpt" \
+          --frames 100 --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
