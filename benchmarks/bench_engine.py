@@ -173,17 +173,19 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
     return out
 
 
-def codec_ms(engine: Engine, batch: int, frames: int, reps: int) -> float:
+def codec_ms(engine: Engine, batch: int, frames: int, reps: int, graphed: bool) -> float:
+    """Wall time of one streaming-codec call (eager, or a graph replay), host launch included."""
     codec = engine._codec
+    decode = engine._codec_graphs.decode if graphed else codec.decode
     codes = torch.randint(0, 2048, (batch, frames, 16), device=engine.device)
     slots = list(range(batch))
     for s in slots:
         codec.reset(s)
-    codec.decode(slots, codes)
+    decode(slots, codes)
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(reps):
-        codec.decode(slots, codes)
+        decode(slots, codes)
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - started) / reps
 
@@ -236,8 +238,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         report["graph_replay_batched"] = graph_frame_ms(
             engine, [b for b in (8, 32, 64, 128, 256) if b <= args.max_streams], kv_len=min(256, args.max_seq_len), reps=20
         )
-        report["codec_decode_ms"] = {f"batch{b}_frames{f}": codec_ms(engine, b, f, 10)
-                                     for b in (1, 32) for f in (1, 8) if b <= args.max_streams}
+        report["codec_decode_ms"] = {
+            f"{mode}_batch{b}_frames{f}": codec_ms(engine, b, f, 10, graphed=mode == "graphed")
+            for mode in ("eager", "graphed") for b in (1, 32, 256) for f in (1, 8) if b <= args.max_streams
+        }
         log(f"codec: {report['codec_decode_ms']}")
     report["concurrency"] = {}
     for n in args.concurrency:

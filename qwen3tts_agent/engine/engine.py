@@ -34,7 +34,7 @@ from ..errors import (
     UnsupportedLanguageError,
 )
 from .codec import StreamingCodecDecoder
-from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
+from .cuda_graphs import GraphedCodecDecode, GraphedFrameStep, power_of_two_buckets
 from .prompt import PromptBody, PromptBuilder, PromptSpec
 from .runner import ModelRunner
 from .sampling import DEFAULT_TOP_K_CAP
@@ -168,7 +168,9 @@ class Engine:
             model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens, top_k_cap=top_k_cap
         )
         decoder = model.speech_tokenizer.model.decoder
-        self._codec = StreamingCodecDecoder(decoder, max_streams=max_streams)
+        graphed = self.device.type == "cuda" and use_cuda_graphs
+        # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
+        self._codec = StreamingCodecDecoder(decoder, max_streams=2 * max_streams if graphed else max_streams)
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
 
         self._commands: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
@@ -199,11 +201,15 @@ class Engine:
         self._pipelined = pin
         self._codec_stream = torch.cuda.Stream(self.device) if pin else None
         self._graphs: GraphedFrameStep | None = None
-        if pin and use_cuda_graphs:
+        self._codec_graphs: GraphedCodecDecode | None = None
+        if graphed:
             self._graphs = GraphedFrameStep(
                 self._runner,
                 power_of_two_buckets(max_streams),
                 power_of_two_buckets(max_seq_len, start=min(128, max_seq_len)),
+            )
+            self._codec_graphs = GraphedCodecDecode(
+                self._codec, max_streams, power_of_two_buckets(max_streams), set(self.chunk_schedule) | {1, 2, 4, 8}
             )
         self._thread = threading.Thread(target=self._loop, name="qwen3tts-engine", daemon=True)
         self._thread.start()
@@ -379,10 +385,11 @@ class Engine:
         if self.model_type == "base":
             t = np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE
             ref = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
-            voice = Voice(prompt=self.create_voice((ref, SAMPLE_RATE), "Warm up.", x_vector_only=True))
+            voice = Voice(prompt=self.create_voice((ref, SAMPLE_RATE), "Warm up."))
         elif self.model_type == "custom_voice":
             voice = Voice(speaker=self.speakers[0])
-        self.synthesize_blocking("Warm up.", voice=voice, sampling=SamplingParams(max_frames=4, ignore_eos=True))
+        frames = sum(self.chunk_schedule) + self.chunk_schedule[-1]  # every chunk size of the schedule once
+        self.synthesize_blocking("Warm up.", voice=voice, sampling=SamplingParams(max_frames=frames, ignore_eos=True))
 
     def close(self) -> None:
         """Stop the engine thread; open streams end with EngineClosedError."""
@@ -443,8 +450,11 @@ class Engine:
         kind, target, payload = command
         if kind == "capture":  # on this thread: nothing else may touch the device during a capture
             try:
-                assert self._graphs is not None
+                assert self._graphs is not None and self._codec_graphs is not None
                 self._graphs.capture(progress=bool(payload))
+                with self._codec_stream_context():
+                    self._codec_graphs.capture(progress=bool(payload))
+                torch.cuda.synchronize()
             finally:
                 target.set()  # type: ignore[attr-defined]
             return
@@ -479,7 +489,11 @@ class Engine:
             with self._codec_stream_context():
                 self._codec.reset(slot)
                 if request.spec.icl:
-                    self._codec.prime(slot, request.spec.clone.ref_codes.to(self.device))  # type: ignore[union-attr]
+                    ref_codes = request.spec.clone.ref_codes.to(self.device)  # type: ignore[union-attr]
+                    if self._codec_graphs is not None and self._codec_graphs.captured:
+                        self._codec_graphs.prime(slot, ref_codes)
+                    else:
+                        self._codec.prime(slot, ref_codes)
             try:
                 head = self._prompts.head(request.spec)
                 self._runner.prefill(slot, head, sample=False)
@@ -597,7 +611,12 @@ class Engine:
         slots = [r.slot for r in group]
         codes = torch.from_numpy(np.stack([np.stack(r.pending) for r in group]))
         with self._codec_stream_context():
-            pcm = self._codec.decode(slots, codes.to(self.device, non_blocking=False))  # type: ignore[arg-type]
+            codes = codes.to(self.device)
+            graphs = self._codec_graphs
+            if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
+                pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
+            else:
+                pcm = self._codec.decode(slots, codes)  # type: ignore[arg-type]
             host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
             host.copy_(pcm, non_blocking=True)
             event = None

@@ -68,14 +68,15 @@ class FusedDecoderLayer:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache_kv: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
         write_rows: torch.Tensor,
         write_pos: torch.Tensor,
         read_rows: slice,
         read_len: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [b, t, hidden] -> [b, t, hidden]. cos/sin [b, t, head_dim]. cache_kv [slots, 2, kv_heads, len, dim].
+        """x [b, t, hidden] -> [b, t, hidden]. cos/sin [b, t, head_dim]. caches [slots, kv_heads, len, dim].
 
         New keys/values go to (write_rows [b, 1], write_pos [b, t]); attention then reads cache rows
         `read_rows`, positions [0, read_len), under `mask` (bool [b, 1, t, read_len]; None = causal).
@@ -91,16 +92,18 @@ class FusedDecoderLayer:
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         qk = qk * c + qk.roll(d // 2, dims=-1) * s
         q, k = qk[:, :, :n_q], qk[:, :, n_q:]
-        cache_kv[write_rows, :, :, write_pos] = torch.stack((k, v.view(b, t, -1, d)), dim=2)
-        keys = cache_kv[read_rows, 0, :, :read_len]  # [b, kv_heads, L, d]
-        values = cache_kv[read_rows, 1, :, :read_len]
+        cache_k[write_rows, :, write_pos] = k
+        cache_v[write_rows, :, write_pos] = v.view(b, t, -1, d)
+        # separate K and V tensors keep (slot, head) flattenable, so the batched matmuls read the cache in place
+        keys = cache_k[read_rows, :, :read_len]  # [b, kv_heads, L, d]
+        values = cache_v[read_rows, :, :read_len]
         kv_heads = keys.shape[1]
         if t == 1:
             # grouped single-token attention: queries of one kv head share its keys, no repeat needed
             qg = q.view(b, kv_heads, -1, d)
             scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling
             if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
+                scores = torch.where(mask, scores, float("-inf"))
             out = torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(qg.dtype), values)
             out = out.reshape(b, 1, -1)
         else:

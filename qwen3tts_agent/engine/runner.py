@@ -68,14 +68,12 @@ class ModelRunner:
 
         dev, dt = self.device, self.dtype
         kv_heads, head_dim = cfg.num_key_value_heads, self.layers[0].head_dim
-        # keys and values together, one spare column per slot: inactive rows write their keys there
-        self.kv_cache = [
-            torch.zeros(max_slots, 2, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt) for _ in self.layers
-        ]
+        # one spare column per slot: inactive rows write their keys there
+        self.k_cache = [torch.zeros(max_slots, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt) for _ in self.layers]
+        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
-        self.p_kv_cache = [
-            torch.zeros(max_slots, 2, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers
-        ]
+        self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
+        self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
 
         long = dict(device=dev, dtype=torch.int64)
         # per-slot decode state
@@ -150,8 +148,8 @@ class ModelRunner:
         self, x: torch.Tensor, write_rows: torch.Tensor, write_pos: torch.Tensor, read_rows: slice, read_len: int, mask: torch.Tensor
     ) -> torch.Tensor:
         cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
-        for layer, cache in zip(self.layers, self.kv_cache, strict=True):
-            x = layer(x, cos, sin, cache, write_rows, write_pos, read_rows, read_len, mask)
+        for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
+            x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
         return self.norm(x)
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
@@ -161,8 +159,8 @@ class ModelRunner:
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
         pos = self._predictor_positions[start : start + t].expand(b, t)
-        for layer, cache in zip(self.p_layers, self.p_kv_cache, strict=True):
-            x = layer(x, cos, sin, cache, rows, pos, slice(0, b), start + t, None)
+        for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
+            x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
         return self.p_norm(x[:, -1])
 
     def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor, gumbel: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
