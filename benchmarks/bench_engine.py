@@ -31,7 +31,7 @@ from qwen3tts_agent.cli import demo_reference  # noqa: E402
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "
-    "number and the name it was made under, please?"
+    "number and the name it was made under, please? Thank you."
 )
 REF_TEXT = "This is a short reference recording of my voice."
 

@@ -21,17 +21,22 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
-    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
-    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --concurrency 1,32,128 --rates 8 \
-                   --cancel-background 0 --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
+    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-4,8,16,32} --window ${WINDOW:-6} --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only \
+                   --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
+      # the same text, 3 s reference and frame count as benchmarks/bench_engine.py
       size=${stage#peers-}; ckpt=$(checkpoint "synthetic:$size")
-      official benchmarks/peers.py --system official --checkpoint "$ckpt" --frames 100 --runs 5 \
+      official -c "import soundfile as sf; from qwen3tts_agent.cli import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
+      text=$(official -c "import benchmarks.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
+      ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
+      same=(--checkpoint "$ckpt" --frames 100 --ref-audio /tmp/ref.wav --ref-text "$ref_text" --text "$text")
+      official benchmarks/peers.py --system official "${same[@]}" --runs "${OFFICIAL_RUNS:-5}" \
         --out "$out/official-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       [ -d /tmp/faster ] || $install --target /tmp/faster .whl/faster/*.whl .whl/common/*.whl || exit 1
       for c in 1 8; do
-        PYTHONPATH=/tmp/faster python3 benchmarks/peers.py --system faster --chunk-size $c --checkpoint "$ckpt" \
-          --frames 100 --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
+        PYTHONPATH=/tmp/faster python3 benchmarks/peers.py --system faster --chunk-size $c "${same[@]}" \
+          --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -9,7 +9,6 @@ the model.
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import itertools
 import logging
@@ -199,7 +198,6 @@ class Engine:
         self._step_parity = 0
         # on a GPU the host reads a step's results while the next step runs; on the CPU there is nothing to overlap
         self._pipelined = pin
-        self._codec_stream = torch.cuda.Stream(self.device) if pin else None
         self._graphs: GraphedFrameStep | None = None
         self._codec_graphs: GraphedCodecDecode | None = None
         if graphed:
@@ -324,8 +322,8 @@ class Engine:
         sampling = sampling or SamplingParams()
         self._check_sampling(sampling)
         schedule = tuple(chunk_schedule or self.chunk_schedule)
-        if not schedule or any(int(n) < 1 for n in schedule):
-            raise ValueError(f"chunk schedule must be positive frame counts, got {schedule}")
+        if not schedule or any(not isinstance(n, int) or n < 1 for n in schedule):
+            raise InvalidRequestError(f"chunk schedule must be positive frame counts, got {schedule}")
         if text is not None:
             if not isinstance(text, str) or not text.strip():
                 raise InvalidTextError("text is empty")
@@ -427,9 +425,15 @@ class Engine:
                 self._admit()
                 self._advance_prompts()
                 previous, self._launched = self._launched, None
+                # Normally the next step is queued before reading the previous one, so the GPU never idles;
+                # a stream still waiting for its first audio gets its chunk decoded ahead of that step instead.
+                urgent = previous is not None and any(r.frames == 0 for r in previous.rows)
+                if urgent:
+                    self._collect(previous)
+                    self._deliver_decoded(wait=True)
                 if self._runnable():
                     self._launched = self._launch_step()
-                if previous is not None:
+                if previous is not None and not urgent:
                     self._collect(previous)
                 if self._launched is not None and not self._pipelined:
                     self._collect(self._launched)
@@ -452,9 +456,7 @@ class Engine:
             try:
                 assert self._graphs is not None and self._codec_graphs is not None
                 self._graphs.capture(progress=bool(payload))
-                with self._codec_stream_context():
-                    self._codec_graphs.capture(progress=bool(payload))
-                torch.cuda.synchronize()
+                self._codec_graphs.capture(progress=bool(payload))
             finally:
                 target.set()  # type: ignore[attr-defined]
             return
@@ -478,7 +480,10 @@ class Engine:
             self._finish(request, "cancelled")
 
     def _admit(self) -> None:
-        while self._waiting and self._free_slots:
+        # a prefill holds up the running streams' next frame: while any are running, take one per frame
+        budget = 1 if self._runnable() else len(self._waiting)
+        while self._waiting and self._free_slots and budget > 0:
+            budget -= 1
             request = self._waiting.pop(0)
             slot = heapq.heappop(self._free_slots)
             request.slot = slot
@@ -486,14 +491,13 @@ class Engine:
             self._running[slot] = request
             params = asdict(request.sampling)
             self._runner.reset_slot(slot, params)
-            with self._codec_stream_context():
-                self._codec.reset(slot)
-                if request.spec.icl:
-                    ref_codes = request.spec.clone.ref_codes.to(self.device)  # type: ignore[union-attr]
-                    if self._codec_graphs is not None and self._codec_graphs.captured:
-                        self._codec_graphs.prime(slot, ref_codes)
-                    else:
-                        self._codec.prime(slot, ref_codes)
+            self._codec.reset(slot)
+            if request.spec.icl:
+                ref_codes = request.spec.clone.ref_codes.to(self.device)  # type: ignore[union-attr]
+                if self._codec_graphs is not None and self._codec_graphs.captured:
+                    self._codec_graphs.prime(slot, ref_codes)
+                else:
+                    self._codec.prime(slot, ref_codes)
             try:
                 head = self._prompts.head(request.spec)
                 self._runner.prefill(slot, head, sample=False)
@@ -607,22 +611,20 @@ class Engine:
                 self._finishing.append(r)
 
     def _decode(self, group: list[_Request], n_frames: int) -> None:
-        """Decode the due chunks of a group (same chunk length) in one batched call, on the codec stream."""
+        """Decode the due chunks of a group (same chunk length) in one batched call; read back asynchronously."""
         slots = [r.slot for r in group]
-        codes = torch.from_numpy(np.stack([np.stack(r.pending) for r in group]))
-        with self._codec_stream_context():
-            codes = codes.to(self.device)
-            graphs = self._codec_graphs
-            if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
-                pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
-            else:
-                pcm = self._codec.decode(slots, codes)  # type: ignore[arg-type]
-            host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-            host.copy_(pcm, non_blocking=True)
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+        codes = torch.from_numpy(np.stack([np.stack(r.pending) for r in group])).to(self.device)
+        graphs = self._codec_graphs
+        if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
+            pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
+        else:
+            pcm = self._codec.decode(slots, codes)  # type: ignore[arg-type]
+        host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        host.copy_(pcm, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
         chunks = []
         for r in group:
             chunks.append((r, r.pending_start, r.pending_start + n_frames, bool(r.finish_reason)))
@@ -630,9 +632,6 @@ class Engine:
             r.pending_start += n_frames
             r.chunk_index += 1
         self._decoding.append(_Decoding(chunks, host, event))
-
-    def _codec_stream_context(self) -> object:
-        return torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else contextlib.nullcontext()
 
     def _deliver_decoded(self, wait: bool) -> None:
         """Hand finished decodes to their streams, oldest first; block on the oldest only if `wait`."""

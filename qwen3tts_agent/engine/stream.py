@@ -38,11 +38,15 @@ class SpeechStream:
         self._error: BaseException | None = None
         self._wakers: list[Callable[[], None]] = []
         self._cancel_ack = threading.Event()
+        self._ack_callbacks: list[Callable[[], None]] = []
         self._cancel_requested_at = 0.0
 
     # ----------------------------------------------------------------- input
     def push_text(self, delta: str) -> None:
-        """Append text (any granularity, e.g. LLM tokens). Thread-safe and non-blocking."""
+        """Append text (any granularity, e.g. LLM tokens). Thread-safe and non-blocking.
+
+        Text pushed after the stream has ended on its own (end of speech, max_frames) is ignored.
+        """
         if self._cancelled:
             raise StreamCancelledError(f"stream {self.id} was cancelled")
         if self._input_closed:
@@ -84,8 +88,18 @@ class SpeechStream:
     async def acancel(self) -> float:
         """Cancel and wait until the engine has dropped the request; returns that latency in seconds."""
         started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        dropped = loop.create_future()
+
+        def ack() -> None:
+            loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(None))
+
+        with self._lock:
+            self._ack_callbacks.append(ack)
         self.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, self._cancel_ack.wait)
+        if self._cancel_ack.is_set():
+            ack()
+        await dropped
         return time.perf_counter() - started
 
     @property
@@ -113,6 +127,10 @@ class SpeechStream:
         if self._cancelled:
             self.result.cancel_latency = time.perf_counter() - self._cancel_requested_at
         self._cancel_ack.set()
+        with self._lock:
+            callbacks, self._ack_callbacks = self._ack_callbacks, []
+        for callback in callbacks:
+            callback()
         self._wake()
 
     def _wake(self) -> None:
