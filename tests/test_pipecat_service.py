@@ -1,0 +1,349 @@
+"""Qwen3TTSService in real Pipecat pipelines (pipecat.tests.utils.run_test) on the tiny synthetic model."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+from pipecat.frames.frames import (
+    AggregatedTextFrame,
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMAssistantPushAggregationFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    MetricsFrame,
+    TTSAudioRawFrame,
+    TTSSpeakFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+    TTSUpdateSettingsFrame,
+)
+from pipecat.metrics.metrics import TTFAMetricsData, TTFBMetricsData, TTSUsageMetricsData
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.services.tts_service import TextAggregationMode
+from pipecat.tests.utils import SleepFrame, run_test
+from pipecat.transcriptions.language import Language
+
+from qwen3tts_agent import SAMPLE_RATE, Engine, SamplingParams, VoicePrompt
+from qwen3tts_agent.errors import (
+    EngineClosedError,
+    UnknownVoiceError,
+    UnsupportedFeatureError,
+    UnsupportedLanguageError,
+)
+from qwen3tts_agent.pipecat import Qwen3TTSService, UtteranceReport
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
+TOKEN = TextAggregationMode.TOKEN
+SENTENCE = TextAggregationMode.SENTENCE
+CANCEL_BOUND_S = 0.5  # engine drops a cancelled request within this (one CPU frame step is ~20-40 ms)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    engine = Engine.load("synthetic:tiny", device="cpu", progress=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def voice(engine: Engine) -> VoicePrompt:
+    t = np.arange(2 * SAMPLE_RATE) / SAMPLE_RATE
+    ref = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    return engine.create_voice((ref, SAMPLE_RATE), "A reference voice.", x_vector_only=True)
+
+
+def fixed(frames: int, seed: int = 1) -> SamplingParams:
+    """Exactly `frames` frames: the random tiny model's end token would make lengths arbitrary."""
+    return SamplingParams(max_frames=frames, ignore_eos=True, seed=seed)
+
+
+def make_tts(
+    engine: Engine, voice: VoicePrompt, frames: int, mode: TextAggregationMode = SENTENCE, **kwargs: object
+) -> tuple[Qwen3TTSService, list[UtteranceReport]]:
+    settings = kwargs.pop("settings", None) or Qwen3TTSService.Settings(voice="ref", sampling=fixed(frames))
+    tts = Qwen3TTSService(
+        engine=engine, voices={"ref": voice}, settings=settings, text_aggregation_mode=mode, **kwargs
+    )
+    reports: list[UtteranceReport] = []
+
+    @tts.event_handler("on_utterance_finished")
+    async def on_utterance_finished(service: Qwen3TTSService, report: UtteranceReport) -> None:
+        reports.append(report)
+
+    return tts, reports
+
+
+def audio(frames: Sequence[Frame], context_id: str | None = None) -> np.ndarray:
+    chunks = [
+        np.frombuffer(f.audio, dtype=np.int16)
+        for f in frames
+        if isinstance(f, TTSAudioRawFrame) and context_id in (None, f.context_id)
+    ]
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+
+
+def rms(pcm: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(pcm.astype(np.float64) ** 2)))
+
+
+def llm_turn(*deltas: str | SleepFrame) -> list[Frame]:
+    return [
+        LLMFullResponseStartFrame(),
+        *(LLMTextFrame(d) if isinstance(d, str) else d for d in deltas),
+        LLMFullResponseEndFrame(),
+    ]
+
+
+async def test_speak_frame_order_and_audio(engine: Engine, voice: VoicePrompt) -> None:
+    tts, reports = make_tts(engine, voice, frames=12)
+    down, up = await run_test(
+        tts,
+        frames_to_send=[TTSSpeakFrame("Hello there, how are you today?")],
+        expected_down_frames=[
+            AggregatedTextFrame,
+            TTSStartedFrame,
+            *[TTSAudioRawFrame] * 4,  # default chunk schedule 1, 2, 4, 8 frames: 12 = 1 + 2 + 4 + 5
+            TTSTextFrame,
+            LLMAssistantPushAggregationFrame,
+            TTSStoppedFrame,
+        ],
+    )
+    chunks = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert [len(f.audio) // 2 for f in chunks] == [n * SAMPLES_PER_FRAME for n in (1, 2, 4, 5)]
+    assert {f.sample_rate for f in chunks} == {SAMPLE_RATE}
+    assert (
+        len(
+            {
+                f.context_id
+                for f in down
+                if isinstance(f, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame))
+            }
+        )
+        == 1
+    )
+    assert rms(audio(down)) > 300  # int16: clearly not silence
+    [report] = reports
+    assert report.result.frames == 12 and report.result.finish_reason == "max_frames"
+    assert report.text == "Hello there, how are you today?"
+    assert not up
+
+
+async def test_token_mode_streams_a_turn_into_one_engine_stream(engine: Engine, voice: VoicePrompt) -> None:
+    tts, reports = make_tts(engine, voice, frames=40, mode=TOKEN)
+    deltas = ["Hello there, ", "how are you? ", "I am fine. ", "Thanks for asking."]
+    started = engine.stats().streams_started
+    down, _ = await run_test(tts, frames_to_send=llm_turn(deltas[0], SleepFrame(0.8), *deltas[1:]))
+    assert engine.stats().streams_started - started == 1
+    [report] = reports
+    assert report.text == "".join(deltas)
+    # Speech started on the first words, before the rest of the reply was even sent.
+    assert report.first_audio is not None and report.first_audio < 0.8
+    kinds = [type(f) for f in down]
+    start, stop = kinds.index(TTSStartedFrame), kinds.index(TTSStoppedFrame)
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1
+    assert all(start < i < stop for i, k in enumerate(kinds) if k is TTSAudioRawFrame)
+    assert kinds.index(LLMFullResponseEndFrame) > stop
+    assert len(audio(down)) == 40 * SAMPLES_PER_FRAME
+    assert rms(audio(down)) > 300
+
+
+async def test_sentence_mode_speaks_each_sentence(engine: Engine, voice: VoicePrompt) -> None:
+    tts, reports = make_tts(engine, voice, frames=6)
+    down, _ = await run_test(tts, frames_to_send=llm_turn("Hello there. ", "How are ", "you today?"))
+    assert [r.text for r in reports] == ["Hello there.", "How are you today?"]
+    kinds = [type(f) for f in down]
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1  # one turn, one audio context
+    # Each sentence's text follows its audio, so an interruption keeps unheard text out of the context.
+    texts = [i for i, k in enumerate(kinds) if k is TTSTextFrame]
+    audio_at = [i for i, k in enumerate(kinds) if k is TTSAudioRawFrame]
+    assert len(texts) == 2 and sum(i < texts[0] for i in audio_at) == len(audio_at) // 2
+    assert len(audio(down)) == 2 * 6 * SAMPLES_PER_FRAME
+
+
+async def test_resampling_is_continuous_across_chunks(engine: Engine, voice: VoicePrompt) -> None:
+    text = [TTSSpeakFrame("Resample me, please.")]
+    tts, _ = make_tts(engine, voice, frames=15)
+    native, _ = await run_test(tts, frames_to_send=text)
+    tts, _ = make_tts(engine, voice, frames=15, sample_rate=16000)
+    resampled, _ = await run_test(tts, frames_to_send=text)
+    assert {f.sample_rate for f in resampled if isinstance(f, TTSAudioRawFrame)} == {16000}
+    streamed = audio(resampled)
+    # Same seed, same audio: the stream must match resampling the whole utterance at once. Resampling
+    # each chunk on its own differs by thousands at every chunk join (clicks).
+    whole = soxr.resample(audio(native), SAMPLE_RATE, 16000, quality="VHQ")
+    assert len(streamed) == len(whole) == 15 * SAMPLES_PER_FRAME * 2 // 3
+    assert np.abs(streamed.astype(np.int32) - whole).max() <= 4
+
+
+@pytest.mark.parametrize("mode", [TOKEN, SENTENCE])
+async def test_interruption_stops_audio_and_engine(
+    engine: Engine, voice: VoicePrompt, mode: TextAggregationMode
+) -> None:
+    # One frame per chunk, so every frame the engine generates is counted in its stream's result.
+    tts, reports = make_tts(engine, voice, frames=1000, mode=mode, chunk_schedule=(1,))
+    before = engine.stats()
+    down, _ = await run_test(
+        tts,
+        frames_to_send=[
+            TTSSpeakFrame("This is a very long answer that the caller will talk over."),
+            SleepFrame(0.5),
+            InterruptionFrame(),
+            SleepFrame(0.3),
+            TTSUpdateSettingsFrame(delta=Qwen3TTSService.Settings(sampling=fixed(6))),
+            TTSSpeakFrame("Next turn."),
+        ],
+    )
+    after = engine.stats()
+    cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
+    first, second = (f.context_id for f in down if isinstance(f, TTSStartedFrame))
+    assert len(audio(down[:cut], first)) > 0, "the interruption came mid-utterance"
+    assert not [f for f in down[cut:] if getattr(f, "context_id", None) == first]
+    interrupted, nxt = reports
+    assert interrupted.context_id == first and interrupted.result.finish_reason == "cancelled"
+    assert 0 < interrupted.result.frames < 1000
+    assert (
+        interrupted.result.cancel_latency is not None and interrupted.result.cancel_latency < CANCEL_BOUND_S
+    )
+    # The engine generated nothing beyond what the two streams report: it stopped stepping the first.
+    assert after.frames_generated - before.frames_generated == interrupted.result.frames + nxt.result.frames
+    assert after.cancels - before.cancels == 1
+    # The next turn starts clean and plays whole.
+    assert nxt.result.frames == 6 and len(audio(down[cut:], second)) == 6 * SAMPLES_PER_FRAME
+    playback = [
+        type(f) for f in down[cut:] if isinstance(f, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame))
+    ]
+    assert playback[0] is TTSStartedFrame and playback[-1] is TTSStoppedFrame
+
+
+async def test_two_services_share_one_engine(engine: Engine, voice: VoicePrompt) -> None:
+    (tts_a, reports_a), (tts_b, reports_b) = (
+        make_tts(engine, voice, 30),
+        make_tts(engine, voice, 30, mode=TOKEN),
+    )
+    most_active = 0
+
+    async def watch() -> None:
+        nonlocal most_active
+        while True:
+            most_active = max(most_active, engine.stats().active_streams)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    (down_a, _), (down_b, _) = await asyncio.gather(
+        run_test(tts_a, frames_to_send=[TTSSpeakFrame("Session A speaking.")]),
+        run_test(tts_b, frames_to_send=llm_turn("Session B ", "speaking at the same time.")),
+    )
+    watcher.cancel()
+    assert most_active >= 2, "both sessions were stepped in one batch"
+    assert len(audio(down_a)) == len(audio(down_b)) == 30 * SAMPLES_PER_FRAME
+    assert [r.text for r in reports_a + reports_b] == [
+        "Session A speaking.",
+        "Session B speaking at the same time.",
+    ]
+
+
+async def test_settings_update_applies_from_the_next_utterance(engine: Engine, voice: VoicePrompt) -> None:
+    tts, reports = make_tts(engine, voice, frames=5)
+    update = Qwen3TTSService.Settings(language=Language.FR, sampling=fixed(7))
+    down, _ = await run_test(
+        tts,
+        frames_to_send=[
+            TTSSpeakFrame("Same text."),
+            TTSSpeakFrame("Same text."),
+            TTSUpdateSettingsFrame(delta=update),
+            TTSSpeakFrame("Same text."),
+        ],
+    )
+    first, second, third = (audio(down, f.context_id) for f in down if isinstance(f, TTSStartedFrame))
+    assert np.array_equal(first, second)  # same settings and seed: same audio
+    assert len(third) == 7 * SAMPLES_PER_FRAME  # new sampling
+    assert not np.array_equal(third[: len(first)], first)  # new language
+    assert [r.result.frames for r in reports] == [5, 5, 7]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (Qwen3TTSService.Settings(voice="nobody"), UnknownVoiceError),
+        (Qwen3TTSService.Settings(language=Language.AR), UnsupportedLanguageError),
+        (Qwen3TTSService.Settings(speaker="vivian"), UnsupportedFeatureError),  # Base models clone voices
+    ],
+)
+async def test_bad_settings_become_error_frames(
+    engine: Engine, voice: VoicePrompt, bad: Qwen3TTSService.Settings, error: type[Exception]
+) -> None:
+    tts, reports = make_tts(engine, voice, frames=4)
+    fix = Qwen3TTSService.Settings(voice="ref", language="auto", speaker=None)
+    down, up = await run_test(
+        tts,
+        frames_to_send=[
+            TTSUpdateSettingsFrame(delta=bad),
+            TTSSpeakFrame("This fails."),
+            TTSUpdateSettingsFrame(delta=fix),
+            TTSSpeakFrame("This works."),
+        ],
+    )
+    errors = [f for f in up if isinstance(f, ErrorFrame)]
+    assert errors and isinstance(errors[0].exception, error)
+    # The pipeline kept running and the corrected settings speak.
+    assert [r.text for r in reports] == ["This works."]
+    assert len(audio(down)) == 4 * SAMPLES_PER_FRAME
+
+
+async def test_engine_failure_mid_stream_becomes_error_frame(voice: VoicePrompt) -> None:
+    engine = Engine.load("synthetic:tiny", device="cpu", progress=False)
+    tts, reports = make_tts(engine, voice, frames=1000, mode=TOKEN)
+
+    async def close_engine_mid_stream() -> None:
+        while engine.stats().frames_generated < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.close)
+
+    closer = asyncio.create_task(close_engine_mid_stream())
+    down, up = await run_test(
+        tts, frames_to_send=llm_turn("A long reply ", "that will not finish.", SleepFrame(1.0))
+    )
+    await closer
+    [error] = [f for f in up if isinstance(f, ErrorFrame)]
+    assert isinstance(error.exception, EngineClosedError)
+    [report] = reports
+    assert report.result.finish_reason == "error" and 0 < len(audio(down)) < 1000 * SAMPLES_PER_FRAME
+    kinds = [type(f) for f in down]
+    assert kinds.index(TTSStoppedFrame) > max(i for i, k in enumerate(kinds) if k is TTSAudioRawFrame)
+
+
+async def test_metrics(engine: Engine, voice: VoicePrompt) -> None:
+    tts, reports = make_tts(engine, voice, frames=8, mode=TOKEN)
+    deltas = ["Measure ", "my latency."]
+    down, _ = await run_test(
+        tts,
+        frames_to_send=llm_turn(*deltas),
+        pipeline_params=PipelineParams(enable_metrics=True, enable_usage_metrics=True),
+    )
+    assert tts.can_generate_metrics()
+    data = [d for f in down if isinstance(f, MetricsFrame) for d in f.data]
+    [ttfb] = [d for d in data if isinstance(d, TTFBMetricsData) and d.value > 0]
+    [ttfa] = [d for d in data if isinstance(d, TTFAMetricsData)]
+    [usage] = [d for d in data if isinstance(d, TTSUsageMetricsData)]
+    assert 0 < ttfb.value <= ttfa.ttfa < 5
+    assert usage.value == len("".join(deltas))
+    assert reports[0].first_audio is not None and reports[0].first_audio < 5
+
+
+def test_missing_pipecat_names_the_extra() -> None:
+    code = "import sys; sys.modules['pipecat'] = None; import qwen3tts_agent.pipecat"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    assert 'pip install "qwen3tts-agent[pipecat]"' in proc.stderr
