@@ -1,0 +1,277 @@
+"""The FastAPI app: WebSocket streaming, OpenAI-compatible speech, voices, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
+
+from ..errors import Qwen3TTSAgentError
+from .audio import PcmEncoder, streaming_wav_header
+from .config import ServerConfig
+from .protocol import (
+    OPENAI_VOICES,
+    ApiError,
+    AudioFormat,
+    SpeechRequest,
+    VoiceCreateRequest,
+    decode_json,
+    from_engine_error,
+    validate_body,
+)
+from .session import StreamSession
+from .state import ServerState
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_AUDIO_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {}
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif err.status == 503:
+        headers["Retry-After"] = "1"
+    return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing (413) anything over `limit` bytes before reading it all into memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
+    return decode_json(bytes(body))
+
+
+class _SpeechResponse(StreamingResponse):
+    """Streams one utterance; `cleanup` runs however the response ends (done, error, client gone, never started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], media_type: str, cleanup: Callable[[], None]) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-store"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+async def _speech(state: ServerState, req: SpeechRequest) -> Response:
+    fmt = req.response_format.lower()
+    if fmt not in _AUDIO_TYPES:
+        raise ApiError(
+            "unsupported_format",
+            f"response_format {req.response_format!r} is not supported; use 'pcm' or 'wav'",
+            param="response_format",
+        )
+    if req.speed is not None and req.speed != 1.0:
+        raise ApiError("unsupported_parameter", "speed must be 1.0: this server cannot change speed", param="speed")
+    if req.stream_format not in (None, "audio"):
+        raise ApiError("unsupported_parameter", "only stream_format 'audio' is supported", param="stream_format")
+    if not req.input.strip():
+        raise ApiError("invalid_text", "input is empty", param="input")
+    if len(req.input) > state.max_text_chars:
+        raise ApiError("text_too_long", f"input exceeds {state.max_text_chars} characters", param="input")
+    settings = state.settings(
+        voice=req.voice,
+        language=req.language,
+        instruct=req.instructions,
+        sampling=req.sampling,
+        audio_format=AudioFormat(),
+        chunk_schedule=None,
+    )
+    admission = state.require_ready()
+    started = time.perf_counter()
+    queue_wait = await admission.acquire()
+    state.metrics.queue_wait.observe(queue_wait)
+    active = state.metrics.active_streams.labels("http")
+    active.inc()
+    stream: Any = None
+    released = False
+
+    def cleanup() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        if stream is not None and not stream.done:
+            stream.cancel()  # sync on purpose: this may run in a cancelled task, where an await would not
+            state.metrics.cancels.labels("disconnect").inc()
+            state.metrics.utterances.labels("http", "cancelled").inc()
+        active.dec()
+        admission.release()
+
+    try:
+        stream = state.open_stream(settings, req.input)
+        chunks = stream.__aiter__()
+        # Wait for the first chunk before answering, so early engine failures still get a status code.
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException as exc:
+        cleanup()
+        if isinstance(exc, Exception) and not isinstance(exc, ApiError):
+            state.metrics.utterances.labels("http", "error").inc()
+            raise from_engine_error(exc) from exc
+        raise
+    state.metrics.first_audio.labels("http").observe(time.perf_counter() - started)
+    rate = state.engine.sample_rate  # OpenAI's pcm is 24 kHz s16le, which is the engine's native rate
+    encoder = PcmEncoder("pcm_s16le", rate, rate)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if fmt == "wav":
+                yield streaming_wav_header(rate)
+            if first is not None:
+                yield encoder.encode(first.pcm, last=first.is_last)
+                async for chunk in chunks:
+                    yield encoder.encode(chunk.pcm, last=chunk.is_last)
+        except Exception as exc:
+            # headers are gone: all we can do is log, count, and cut the body short so the client notices
+            err = from_engine_error(exc)
+            logger.error("speech request failed mid-stream: %s", err.message)
+            state.count_error(err)
+            state.metrics.utterances.labels("http", "error").inc()
+            raise
+        result = stream.result
+        state.metrics.utterances.labels("http", result.finish_reason).inc()
+        state.metrics.audio_seconds.inc(result.audio_seconds)
+        state.metrics.real_time_factor.observe(result.real_time_factor)
+
+    return _SpeechResponse(body(), _AUDIO_TYPES[fmt], cleanup)
+
+
+def create_app(
+    config: ServerConfig,
+    *,
+    engine: Engine | None = None,
+    engine_factory: Callable[[], Engine] | None = None,
+) -> FastAPI:
+    """Build the app around one engine: an instance the caller owns, or a factory run (and closed) by the app.
+
+    With a factory the server answers /health at once and /ready only after load and warm-up.
+    """
+    state = ServerState(config, engine=engine, engine_factory=engine_factory)
+    app = FastAPI(title="qwen3tts-agent", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
+        state.count_error(err)
+        return error_response(err)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ready", "model": config.model_name})
+        status = "failed" if state.failure else "starting"
+        return JSONResponse({"status": status, "error": state.failure}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state.authorize(request.headers.get("authorization"))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        state.authorize(request.headers.get("authorization"))
+        state.require_ready()
+        req = validate_body(SpeechRequest, await read_json(request, config.max_message_bytes))
+        return await _speech(state, req)
+
+    @app.get("/v1/voices")
+    async def list_voices(request: Request) -> dict[str, Any]:
+        state.authorize(request.headers.get("authorization"))
+        state.require_ready()
+        return {
+            "voices": [record.to_json() for record in state.voices.records()],
+            "speakers": list(state.engine.speakers),
+            "default_voice": state.default_voice_label,
+            "openai_voices": sorted(OPENAI_VOICES),
+        }
+
+    @app.post("/v1/voices", status_code=201)
+    async def create_voice(request: Request) -> JSONResponse:
+        state.authorize(request.headers.get("authorization"))
+        state.require_ready()
+        req = validate_body(VoiceCreateRequest, await read_json(request, config.max_upload_bytes))
+        if not req.x_vector_only and not (req.ref_text or "").strip():
+            raise ApiError("invalid_message", "ref_text is required unless x_vector_only is true", param="ref_text")
+        try:
+            audio = base64.b64decode(req.audio, validate=True)
+        except binascii.Error:
+            raise ApiError("invalid_message", "audio must be base64 of a WAV or FLAC file", param="audio") from None
+        engine = state.engine
+
+        def create() -> Any:
+            return engine.create_voice(audio, ref_text=req.ref_text, x_vector_only=req.x_vector_only)
+
+        try:
+            record, created = await state.voices.register(
+                create, type(engine).save_voice, name=req.name, ref_text=req.ref_text, x_vector_only=req.x_vector_only
+            )
+        except Qwen3TTSAgentError as exc:
+            raise from_engine_error(exc) from exc
+        return JSONResponse(record.to_json(), status_code=201 if created else 200)
+
+    @app.get("/v1/voices/{key}")
+    async def get_voice(key: str, request: Request) -> dict[str, Any]:
+        state.authorize(request.headers.get("authorization"))
+        state.require_ready()
+        found = state.voices.resolve(key)
+        if found is None:
+            raise ApiError("not_found", f"no registered voice {key!r}")
+        return found[0].to_json()
+
+    @app.delete("/v1/voices/{key}", status_code=204)
+    async def delete_voice(key: str, request: Request) -> Response:
+        state.authorize(request.headers.get("authorization"))
+        state.require_ready()
+        if await state.voices.delete(key) is None:
+            raise ApiError("not_found", f"no registered voice {key!r}")
+        return Response(status_code=204)
+
+    @app.websocket("/v1/stream")
+    async def stream(ws: WebSocket) -> None:
+        try:
+            state.authorize(ws.headers.get("authorization"))
+            state.require_ready()
+            if state.sessions >= config.max_sessions:
+                raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly")
+        except ApiError as err:
+            # refuse the upgrade with a real HTTP status, so clients see 401/503 rather than a bare close
+            state.count_error(err)
+            await ws.send_denial_response(error_response(err))
+            return
+        state.sessions += 1
+        state.metrics.active_sessions.inc()
+        try:
+            await ws.accept()
+            await StreamSession(ws, state).run()
+        finally:
+            state.sessions -= 1
+            state.metrics.active_sessions.dec()
+
+    return app

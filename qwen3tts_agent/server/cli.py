@@ -1,0 +1,95 @@
+"""`qwen3tts-agent serve`: one engine, many clients, over WebSocket and HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import uvicorn  # imported here so a missing [server] extra shows when the CLI registers `serve`
+
+from .config import ServerConfig, default_voices_dir
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` on the main CLI's sub-parsers."""
+    p = subparsers.add_parser("serve", help="run the streaming TTS server (WebSocket + OpenAI-compatible HTTP)")
+    d = ServerConfig()
+    p.add_argument("--model", required=True, help="hub id, local checkpoint folder, or synthetic:<size>[-<type>]")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--host", default=d.host, help="bind address (anything but loopback requires --api-key)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--api-key", default=os.environ.get("QWEN3TTS_API_KEY"),
+                   help="bearer token clients must send (default: $QWEN3TTS_API_KEY)")
+    p.add_argument("--voices-dir", type=Path, default=default_voices_dir(), help="where registered voices persist")
+    p.add_argument("--default-voice", help="voice for OpenAI voice names and sessions naming none: "
+                   "a registered voice id/name or a CustomVoice speaker")
+    p.add_argument("--default-voice-audio", type=Path, help="reference recording registered as the default voice")
+    p.add_argument("--default-voice-text", help="transcript of --default-voice-audio (omit: x-vector-only cloning)")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="concurrent WebSocket sessions")
+    p.add_argument("--max-active-streams", type=int, help="utterances synthesized at once (default: engine slots)")
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="utterances waiting for a slot before 'busy'")
+    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds to wait for a slot")
+    p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="characters per utterance")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest WebSocket message / JSON body")
+    p.add_argument("--max-frames", type=int, default=d.max_frames, help="cap on utterance length, 80 ms frames")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, help="seconds before an idle session closes")
+    p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 2 for bad settings, 1 if the model failed to load."""
+    from ..engine.engine import Engine
+    from .app import create_app
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        model_name=args.model,
+        voices_dir=args.voices_dir,
+        default_voice=args.default_voice,
+        default_voice_audio=args.default_voice_audio,
+        default_voice_text=args.default_voice_text,
+        max_sessions=args.max_sessions,
+        max_active_streams=args.max_active_streams,
+        max_queued=args.max_queued,
+        queue_timeout_s=args.queue_timeout,
+        max_text_chars=args.max_text_chars,
+        max_message_bytes=args.max_message_bytes,
+        max_frames=args.max_frames,
+        idle_timeout_s=args.idle_timeout,
+        warmup=not args.no_warmup,
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config, engine_factory=lambda: Engine.load(args.model, device=args.device, dtype=args.dtype))
+    server = uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level))
+    state = app.state.server
+    state.on_failure = lambda _exc: setattr(server, "should_exit", True)
+    server.run()
+    return 1 if state.failure else 0
+
+
+def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
+    """The uvicorn settings the server relies on, shared by the CLI and the tests."""
+    options: dict[str, object] = dict(
+        host=config.host,
+        port=config.port,
+        # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
+        # the app answers with a readable error. Both close with 1009.
+        ws_max_size=2 * config.max_message_bytes,
+        ws="websockets-sansio",
+        timeout_graceful_shutdown=5,
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]

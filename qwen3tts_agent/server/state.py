@@ -1,0 +1,240 @@
+"""The server's shared state: the engine, its startup (load, warm-up, voices), admission, auth and voice lookup."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..engine.types import SamplingParams, Voice
+from .admission import Admission
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import DEFAULT_VOICE_ALIASES, ApiError, AudioFormat, SamplingOptions, from_engine_error
+from .voices import VoiceRegistry
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SynthesisSettings:
+    """Everything an utterance needs besides its text, resolved and validated once per session or request."""
+
+    voice: Voice
+    voice_label: str
+    language: str
+    sampling: SamplingParams
+    audio_format: AudioFormat
+    chunk_schedule: tuple[int, ...] | None
+
+
+class ServerState:
+    """Owns what every request shares. Not ready until the engine is loaded, warmed up and voices are read."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        engine: Engine | None = None,
+        engine_factory: Callable[[], Engine] | None = None,
+    ) -> None:
+        if (engine is None) == (engine_factory is None):
+            raise ValueError("pass exactly one of engine or engine_factory")
+        config.validate()
+        self.config = config
+        self._engine = engine
+        self._engine_factory = engine_factory
+        self.metrics = ServerMetrics(lambda: self._engine.stats() if self.ready else None)
+        self.voices = VoiceRegistry(config.voices_dir, max_voices=config.max_voices)
+        self.admission: Admission | None = None
+        self.ready = False
+        self.failure: str | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self.sessions = 0
+        self._default_voice: str | None = config.default_voice
+        self._builtin_voice: Voice | None = None  # Base models only, when no default is configured
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "engine used before startup finished"
+        return self._engine
+
+    @asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        """Start in the background so /health answers while the model loads; close an engine we loaded."""
+        startup = asyncio.create_task(self._start(), name="qwen3tts-startup")
+        try:
+            yield
+        finally:
+            startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
+            if self._engine_factory is not None and self._engine is not None:
+                await asyncio.to_thread(self._engine.close)
+
+    async def _start(self) -> None:
+        try:
+            if self._engine is None:
+                assert self._engine_factory is not None
+                self._engine = await asyncio.to_thread(self._engine_factory)
+            engine = self._engine
+            if self.config.warmup:
+                await asyncio.to_thread(engine.warmup)
+            await self.voices.load(type(engine).load_voice)
+            if self.config.default_voice_audio is not None:
+                self._default_voice = await self._register_default_voice()
+            if self._default_voice is not None and self._lookup(self._default_voice) is None:
+                raise ValueError(f"default voice {self._default_voice!r} is neither a registered voice nor a speaker")
+            if self._default_voice is None and engine.model_type == "base":
+                self._builtin_voice = await asyncio.to_thread(self._demo_voice)
+            capacity = self.config.max_active_streams or engine.stats().max_streams
+            self.admission = Admission(
+                capacity, max_queued=self.config.max_queued, timeout_s=self.config.queue_timeout_s
+            )
+            admission = self.admission
+            self.metrics.queued.set_function(lambda: admission.waiting)
+            self.ready = True
+            logger.info("ready: model %s, %d stream slots", self.config.model_name, capacity)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.exception("startup failed")
+            if self.on_failure is not None:
+                self.on_failure(exc)
+
+    def _demo_voice(self) -> Voice:
+        """Base models need a reference to speak at all; a synthetic one makes a bare request work out of the box."""
+        from ..cli import demo_reference
+
+        return Voice(prompt=self.engine.create_voice(demo_reference(), x_vector_only=True))
+
+    @property
+    def max_text_chars(self) -> int:
+        """The configured limit, never above what the engine itself accepts."""
+        return min(self.config.max_text_chars, self.engine.max_text_chars)
+
+    async def _register_default_voice(self) -> str:
+        path = self.config.default_voice_audio
+        assert path is not None
+        text = self.config.default_voice_text
+        engine = self.engine
+        record, _ = await self.voices.register(
+            lambda: engine.create_voice(path, ref_text=text, x_vector_only=text is None),
+            type(engine).save_voice,
+            name=None,
+            ref_text=text,
+            x_vector_only=text is None,
+        )
+        return record.voice_id
+
+    # ------------------------------------------------------------------ request gates
+    def authorize(self, header: str | None) -> None:
+        """Constant-time bearer-token check; a no-op when the server runs without a key (loopback only)."""
+        expected = self.config.api_key
+        if not expected:
+            return
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise ApiError("unauthorized", "missing or invalid bearer token (send 'Authorization: Bearer <key>')")
+
+    def require_ready(self) -> Admission:
+        if self.failure is not None:
+            raise ApiError("not_ready", f"the server failed to start: {self.failure}")
+        if not self.ready or self.admission is None:
+            raise ApiError("not_ready", "the model is still loading or warming up; retry shortly")
+        return self.admission
+
+    # ------------------------------------------------------------------ voices
+    def _lookup(self, key: str) -> tuple[Voice, str] | None:
+        found = self.voices.resolve(key)
+        if found is not None:
+            return Voice(prompt=found[1]), found[0].voice_id
+        speaker = key.lower()
+        if speaker in self.engine.speakers:
+            return Voice(speaker=speaker), speaker
+        return None
+
+    def _default(self) -> tuple[Voice, str]:
+        """The configured default, else the model's own: its first speaker, the built-in clone, or a bare design."""
+        if self._default_voice is not None:
+            found = self._lookup(self._default_voice)
+            if found is None:
+                raise ApiError("unknown_voice", f"the default voice {self._default_voice!r} no longer exists")
+            return found
+        if self.engine.model_type == "custom_voice":
+            return Voice(speaker=self.engine.speakers[0]), self.engine.speakers[0]
+        if self._builtin_voice is not None:
+            return self._builtin_voice, "default"
+        return Voice(), "voice-design"  # VoiceDesign: the instruction, if any, describes the voice
+
+    @property
+    def default_voice_label(self) -> str | None:
+        try:
+            return self._default()[1]
+        except ApiError:
+            return None
+
+    def resolve_voice(self, name: str | None, instruct: str | None) -> tuple[Voice, str]:
+        """A registered voice (id or name), a CustomVoice speaker, or the default for OpenAI names and None."""
+        if instruct and not self.engine.supports_instruct:
+            raise ApiError("unsupported_feature", "this model does not take instructions", param="instruct")
+        key = (name or "").strip()
+        found = self._lookup(key) if key else None  # a voice registered under an OpenAI name wins
+        if found is None and key and key.lower() not in DEFAULT_VOICE_ALIASES:
+            raise ApiError(
+                "unknown_voice",
+                f"unknown voice {key!r}: use a registered voice or speaker (GET /v1/voices) "
+                "or register one (POST /v1/voices)",
+                param="voice",
+            )
+        voice, label = found if found is not None else self._default()
+        if instruct:
+            voice = Voice(speaker=voice.speaker, prompt=voice.prompt, instruct=instruct)
+        return voice, label
+
+    def settings(
+        self,
+        *,
+        voice: str | None,
+        language: str,
+        instruct: str | None,
+        sampling: SamplingOptions,
+        audio_format: AudioFormat,
+        chunk_schedule: list[int] | None,
+    ) -> SynthesisSettings:
+        resolved, label = self.resolve_voice(voice, instruct)
+        lang = language.strip().lower()
+        if lang not in self.engine.languages:
+            raise ApiError(
+                "unsupported_language",
+                f"unsupported language {language!r}; this model knows: {', '.join(self.engine.languages)}",
+                param="language",
+            )
+        return SynthesisSettings(
+            voice=resolved,
+            voice_label=label,
+            language=lang,
+            sampling=sampling.to_params(self.config.max_frames),
+            audio_format=audio_format,
+            chunk_schedule=tuple(chunk_schedule) if chunk_schedule else None,
+        )
+
+    def open_stream(self, settings: SynthesisSettings, text: str | None) -> Any:
+        """`engine.open_stream` with the session's settings; typed engine errors become ApiErrors."""
+        kwargs: dict[str, Any] = {}
+        if settings.chunk_schedule is not None:
+            kwargs["chunk_schedule"] = settings.chunk_schedule
+        try:
+            return self.engine.open_stream(
+                text=text, voice=settings.voice, language=settings.language, sampling=settings.sampling, **kwargs
+            )
+        except Exception as exc:
+            raise from_engine_error(exc) from exc
+
+    def count_error(self, err: ApiError) -> None:
+        self.metrics.errors.labels(err.code).inc()
