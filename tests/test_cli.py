@@ -1,0 +1,41 @@
+"""The main job: `qwen3tts-agent say` streams to a WAV file and reports latency; unreachable models fail fast."""
+
+from __future__ import annotations
+
+import time
+
+import soundfile as sf
+
+from qwen3tts_agent.cli import main
+
+
+def test_say_streams_a_wav_and_reports_latency(tmp_path, capsys) -> None:
+    out = tmp_path / "hello.wav"
+    code = main(["say", "Hello there, how can I help?", "--model", "synthetic:tiny", "--out", str(out),
+                 "--max-frames", "9", "--seed", "1", "--stream-text"])
+    assert code == 0
+    audio, rate = sf.read(out)
+    assert rate == 24000 and len(audio) == 9 * 1920 and abs(audio).max() > 1e-3
+    printed = capsys.readouterr().out
+    assert "first audio:" in printed and "real-time factor:" in printed
+
+
+def test_say_with_a_named_speaker_and_language(tmp_path) -> None:
+    out = tmp_path / "speaker.wav"
+    assert main(["say", "Bonjour.", "--model", "synthetic:tiny-customvoice", "--speaker", "ryan",
+                 "--language", "french", "--out", str(out), "--max-frames", "3", "--greedy"]) == 0
+    assert sf.info(out).frames == 3 * 1920
+
+
+def test_unreachable_default_model_fails_fast_with_alternatives(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache: the hub id must be fetched
+    started = time.monotonic()
+    code = main(["say", "Hello.", "--out", str(tmp_path / "x.wav")])
+    assert code == 2 and time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert "synthetic:tiny" in err and "folder" in err
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["say", "   ", "--model", "synthetic:tiny", "--out", str(tmp_path / "x.wav")]) == 2
+    assert "text is empty" in capsys.readouterr().err
