@@ -232,3 +232,18 @@ def test_icl_stream_with_streamed_text(engine: Engine, voice: Voice) -> None:
         stream.close_input()
         list(stream.chunks(timeout=60))
         assert stream.result.codes == whole.codes
+
+
+def test_a_full_kv_cache_ends_the_stream_cleanly() -> None:
+    engine = engine_for("synthetic:tiny", max_streams=2, max_seq_len=96)
+    try:
+        voice = Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
+        pcm, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams(max_frames=500, ignore_eos=True))
+        assert result.finish_reason == "max_frames" and 0 < result.frames < 96
+        assert len(pcm) == result.frames * 1920
+        with pytest.raises(InvalidTextError):  # a prompt that cannot fit fails its stream, not the engine
+            list(engine.open_stream("word " * 200, voice=voice, text_layout=TextLayout.PREFILL).chunks(timeout=30))
+        _, again = engine.synthesize_blocking("Short.", voice=voice, sampling=SamplingParams(max_frames=3))
+        assert again.frames == 3
+    finally:
+        engine.close()

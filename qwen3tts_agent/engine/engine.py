@@ -500,6 +500,8 @@ class Engine:
                     self._codec.prime(slot, ref_codes)
             try:
                 head = self._prompts.head(request.spec)
+                if head.shape[0] >= self._runner.max_seq_len:
+                    raise InvalidRequestError(f"the instruction does not fit max_seq_len={self._runner.max_seq_len}")
                 self._runner.prefill(slot, head, sample=False)
                 request.position = head.shape[0]
             except Exception as exc:  # noqa: BLE001
@@ -514,6 +516,12 @@ class Engine:
                     if request.closed and not request.text_ids:
                         raise InvalidTextError("text is empty")
                     body: PromptBody = self._prompts.body(request.spec, request.text_ids, request.closed)
+                    needed = request.position + body.embeds.shape[0]
+                    if needed >= self._runner.max_seq_len:
+                        raise InvalidTextError(
+                            f"the prompt needs {needed} positions; this engine holds {self._runner.max_seq_len} "
+                            "(shorten the text or raise max_seq_len)"
+                        )
                     self._runner.prefill(request.slot, body.embeds, sample=True)  # type: ignore[arg-type]
                     request.body_done = True
                     request.prefill_done = time.perf_counter()
@@ -532,15 +540,17 @@ class Engine:
         if request.closed:
             request.eos_fed = True
         if ids:
+            if request.track_len + len(ids) > self._runner.max_text_tokens:
+                raise InvalidTextError(f"text longer than {self._runner.max_text_tokens} tokens")
             self._runner.append_text(request.slot, request.track_len, ids)  # type: ignore[arg-type]
             request.track_len += len(ids)
 
     def _runnable(self) -> list[_Request]:
-        """Streams that can take one more frame now: prompt done, budget left, text-track token known."""
+        """Streams that can take one more frame now: prompt done, frame budget and cache room left, text known."""
         return [
             r for r in self._running.values()
             if r.body_done and not r.finish_reason and r.frames_launched < r.sampling.max_frames
-            and (r.eos_fed or r.frames_launched < r.track_len)
+            and r.position < self._runner.max_seq_len and (r.eos_fed or r.frames_launched < r.track_len)
         ]
 
     def _launch_step(self) -> _Launched:
@@ -599,8 +609,10 @@ class Engine:
             r.frames += 1
             if finished[slot]:
                 r.finish_reason = "eos"
-            elif r.frames >= r.sampling.max_frames:
-                r.finish_reason = "max_frames"
+            elif r.frames >= r.sampling.max_frames or (
+                r.position >= self._runner.max_seq_len and r.frames == r.frames_launched
+            ):
+                r.finish_reason = "max_frames"  # the frame budget, or the KV cache, is used up
             if r.finish_reason or len(r.pending) >= r.next_chunk_frames():
                 due.setdefault(len(r.pending), []).append(r)
         for n_frames, group in due.items():
