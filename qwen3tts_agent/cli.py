@@ -13,6 +13,7 @@ from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, T
 from .errors import Qwen3TTSAgentError
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"
+FRAMES_PER_CHARACTER = 0.9  # 12.5 frames/s over roughly 14 characters/s of English speech
 
 
 def demo_reference() -> tuple[np.ndarray, int]:
@@ -43,7 +44,9 @@ def _add_say(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--language", default="auto")
     p.add_argument("--seed", type=int)
     p.add_argument("--greedy", action="store_true", help="deterministic decoding")
-    p.add_argument("--max-frames", type=int, default=SamplingParams.max_frames, help="cap at N x 80 ms of audio")
+    p.add_argument("--max-frames", type=int,
+                   help="cap at N x 80 ms of audio (default: the model's limit; for synthetic models, which never "
+                        "stop by themselves, about the text's spoken length)")
     p.add_argument("--chunk-schedule", default=",".join(map(str, DEFAULT_CHUNK_SCHEDULE)),
                    help="frames per streamed chunk, e.g. 1,2,4,8 (the last repeats)")
     p.add_argument("--stream-text", action="store_true", help="feed the text word by word, as an LLM would")
@@ -70,9 +73,13 @@ def _say(args: argparse.Namespace) -> int:
         elif engine.model_type == "custom_voice" and not args.speaker:
             voice = Voice(speaker=engine.speakers[0], instruct=args.instruct)
             print(f"no --speaker given: using {voice.speaker!r} (available: {', '.join(engine.speakers)})")
-        sampling = SamplingParams(seed=args.seed, max_frames=args.max_frames)
+        max_frames = args.max_frames or SamplingParams.max_frames
+        if args.max_frames is None and args.model.startswith("synthetic:"):
+            max_frames = max(25, round(len(args.text) * FRAMES_PER_CHARACTER))
+            print(f"synthetic model: random weights never end an utterance, so it is capped at {max_frames} frames")
+        sampling = SamplingParams(seed=args.seed, max_frames=max_frames)
         if args.greedy:
-            sampling = SamplingParams.greedy(seed=args.seed, max_frames=args.max_frames)
+            sampling = SamplingParams.greedy(seed=args.seed, max_frames=max_frames)
         schedule = tuple(int(n) for n in args.chunk_schedule.split(","))
         stream = engine.open_stream(
             None if args.stream_text else args.text, voice=voice, language=args.language,
