@@ -162,9 +162,9 @@ class Engine:
 
         self.tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
-        max_text_tokens = max_seq_len
+        # one text-track token per frame at most, so a track never outgrows the cache
         self._runner = ModelRunner(
-            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens, top_k_cap=top_k_cap
+            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len, top_k_cap=top_k_cap
         )
         decoder = model.speech_tokenizer.model.decoder
         graphed = self.device.type == "cuda" and use_cuda_graphs
