@@ -43,6 +43,7 @@ class StreamTiming:
     end: float = 0.0
     audio_s: float = 0.0
     worst_lag: float = 0.0  # max over chunks of arrival - (first arrival + audio played before it)
+    stages_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # first chunk: see first_audio_stages
 
     @property
     def first_audio_ms(self) -> float:
@@ -70,6 +71,9 @@ async def run_stream(engine: Engine, voice: Voice, frames: int, seed: int) -> St
         now = time.perf_counter()
         if not timing.first:
             timing.first = now
+            t = chunk.timings
+            timing.stages_ms = tuple(1000 * d for d in (
+                t.prefill_done - t.submitted, t.first_frame - t.prefill_done, t.ready - t.first_frame, now - t.ready))
         timing.worst_lag = max(timing.worst_lag, now - (timing.first + played))
         played += chunk.duration
     timing.end = time.perf_counter()
@@ -217,6 +221,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
     report["single_stream"] = {
         **summarize(singles, sum(t.end - t.submitted for t in singles)),
+        # where the first audio's time goes (medians, ms): submit -> prompt prefilled -> first frame's codes on
+        # the host -> its PCM decoded -> the consumer holds it
+        "first_audio_stages_ms": dict(zip(
+            ("admission_and_prefill", "first_frame", "codec_decode", "delivery"),
+            (pct([t.stages_ms[i] for t in singles], 50) for i in range(4)), strict=True)),
         "loop_ms_per_frame_p50": pct(steady_ms, 50),
         "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
     }
