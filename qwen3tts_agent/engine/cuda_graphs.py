@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+from tqdm import tqdm
 
 from .codec import StreamingCodecDecoder
 from .runner import ModelRunner
@@ -59,12 +60,7 @@ class GraphedFrameStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, k) for b in self.batch_buckets for k in self.kv_buckets]
-        try:
-            from tqdm import tqdm
-
-            iterator = tqdm(keys, desc="capturing CUDA graphs", disable=not progress)
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            iterator = keys
+        iterator = tqdm(keys, desc="capturing CUDA graphs", disable=not progress)
         for b, kv in iterator:
             with torch.cuda.stream(side):  # eager first run of each shape: allocator, library kernel choice
                 runner.frame_step(b, kv)
@@ -116,8 +112,6 @@ class GraphedCodecDecode:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
-        from tqdm import tqdm
-
         for b, t in tqdm(keys, desc="capturing codec graphs", disable=not progress):
             slots, codes = self._slots[:b], self._codes[:b, :t]
             with torch.cuda.stream(side):

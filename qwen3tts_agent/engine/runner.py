@@ -178,9 +178,7 @@ class ModelRunner:
         """Record a sampled codebook-0 token for `rows` where `act` is set."""
         self.code0[rows] = torch.where(act, code0, self.code0[rows])
         self.past_hidden[rows] = torch.where(act.unsqueeze(1), hidden, self.past_hidden[rows])
-        seen_rows = self.seen[rows]
-        seen_rows.scatter_(1, code0.unsqueeze(1), seen_rows.gather(1, code0.unsqueeze(1)) | act.unsqueeze(1))
-        self.seen[rows] = seen_rows
+        self.seen[rows, code0] = self.seen[rows, code0] | act  # touches b entries, not b x vocab
         self.n_sampled[rows] += act.long()
 
     @torch.inference_mode()
