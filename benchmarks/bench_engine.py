@@ -177,6 +177,49 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
     return out
 
 
+KERNEL_KINDS = (  # substrings of kernel names, first match wins
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_kernel_decode")),
+    ("attention", ("flash", "attention", "fmha", "softmax")),
+    ("sampling and top-k", ("topk", "sort", "radix", "argmax", "cumsum", "scan", "gather", "scatter")),
+    ("norm and reductions", ("norm", "reduce")),
+    ("indexing and copies", ("index", "copy", "cat", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_breakdown(engine: Engine, kv_len: int, top: int = 15) -> dict[str, object]:
+    """Every kernel of one eager batch-1 frame (torch.profiler): count and GPU time, by kind and by name.
+
+    The graph replays the same kernels; the gap between their summed time and the replay's wall time is the
+    per-kernel launch and dependency cost that only fusion removes.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine._runner
+    with torch.inference_mode():
+        runner.frame_step(1, kv_len)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.frame_step(1, kv_len)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    by_kind: dict[str, list[float]] = {}
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+        count_us = by_kind.setdefault(kind, [0, 0.0])
+        count_us[0] += e.count
+        count_us[1] += e.self_device_time_total
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "kernels_per_frame": sum(e.count for e in kernels),
+        "kernel_time_ms": sum(e.self_device_time_total for e in kernels) / 1000,
+        "by_kind": {k: {"kernels": c, "ms": us / 1000} for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "top_kernels": [{"name": e.key[:100], "count": e.count, "ms": e.self_device_time_total / 1000} for e in ranked],
+    }
+
+
 def codec_ms(engine: Engine, batch: int, frames: int, reps: int, graphed: bool) -> float:
     """Wall time of one streaming-codec call (eager, or a graph replay), host launch included."""
     codec = engine._codec
@@ -207,14 +250,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     report: dict[str, object] = {
         "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "frames_per_stream": args.frames, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
+        "frames_per_stream": args.frames, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
     }
     reference = demo_reference()
 
     # --- single stream, on an engine with one slot (its memory is what one stream costs)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len)
+    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec)
     engine.warmup(progress=False)
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
     singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
@@ -232,13 +275,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     log(f"single stream: {report['single_stream']}")
     if cuda:
         report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
+        report["kernel_breakdown_b1"] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
+        log(f"kernels of one frame: {json.dumps(report['kernel_breakdown_b1'])}")
     engine.close()
     del engine
 
     if args.single_only:
         return report
     # --- many streams on one engine
-    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len)
+    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec)
     started = time.perf_counter()
     engine.warmup(progress=True)
     report["warmup_s"] = time.perf_counter() - started
@@ -286,9 +331,15 @@ def main() -> None:
     parser.add_argument("--cancel-trials", type=int, default=10)
     parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
     parser.add_argument("--single-only", action="store_true")
+    parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
+                        help="decode audio on the frame steps' CUDA stream")
+    parser.add_argument("--smoke", action="store_true", help="a short GPU run that exercises every path")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     args = parser.parse_args()
+    if args.smoke:
+        args.frames, args.runs, args.max_streams = 30, 2, 8
+        args.concurrency, args.rates, args.cancel_trials, args.cancel_background = [8], [], 2, [2]
     if args.quick:
         args.frames, args.runs, args.max_streams, args.max_seq_len = 12, 2, 4, 256
         args.concurrency, args.rates, args.window, args.cancel_trials, args.cancel_background = [1, 4], [2.0], 1.5, 2, [0, 2]

@@ -2,7 +2,8 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
+# Stages: smoke, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. If the smoke stage fails
+# with the codec on its own CUDA stream, the later stages run with --no-overlap-codec (and say so).
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
@@ -17,12 +18,19 @@ install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
 checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
 
+overlap=""
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
-    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
-    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-4,8,16,32} --window ${WINDOW:-6} --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
-    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only \
+    smoke)
+      if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 benchmarks/bench_engine.py --model synthetic:0.6b --smoke \
+           --out $out/smoke-0.6b.json" > "$out/smoke.log" 2>&1; then echo "smoke: ok"
+      else overlap=--no-overlap-codec; echo "smoke: FAILED, later stages run with $overlap"; grep -v Assertion "$out/smoke.log" | tail -5; fi ;;
+    kernels) python3 benchmarks/bench_kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
+    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $overlap --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
+                   $overlap --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $overlap \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py

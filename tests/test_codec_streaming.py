@@ -161,6 +161,19 @@ def test_prime_then_decode_is_the_tail_of_the_full_decode(decoder, codes, refere
     assert _max_error(audio[1], reference[0, : generated * SPF]) < TOLERANCE
 
 
+def test_snapshot_restores_a_primed_state_into_another_slot(decoder, codes, reference):
+    """The engine primes a voice's reference codes once and restores that state for later streams."""
+    codec = StreamingCodecDecoder(decoder, max_streams=3)
+    ref_frames, generated = 40, 12
+    codec.prime(0, codes[2, :ref_frames])
+    state = codec.snapshot(0)
+    _stream(codec, [0], codes[1:2, :generated], [4] * 3)  # slot 0 moves on; the snapshot must not
+    _stream(codec, [2], codes[0:1, :20], [5] * 4)  # slot 2 holds another stream's state
+    codec.restore(2, state)
+    audio = _stream(codec, [2], codes[2:3, ref_frames : ref_frames + generated], [1, 3, 8])
+    assert _max_error(audio[0], reference[2, ref_frames * SPF : (ref_frames + generated) * SPF]) < TOLERANCE
+
+
 def test_independent_chunks_are_not_exact(decoder, codes, reference):
     """Guards the other tests' power: this model's audio depends on earlier chunks well beyond 1e-5."""
     with torch.no_grad():

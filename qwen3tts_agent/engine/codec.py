@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .host import upload
+
 
 class _History:
     """The most recent input steps of one causal op, per slot, along time dimension `dim`."""
@@ -135,9 +137,25 @@ class StreamingCodecDecoder:
     def reset(self, slot: int) -> None:
         """Start a new stream in `slot` (as if no frame had been decoded there)."""
         self._check_slot(slot)
-        for history in itertools.chain(self._convs.values(), *self._kv):
+        for history in self._histories():
             history.buffer[slot].zero_()
         self._positions[slot] = 0
+
+    def snapshot(self, slot: int) -> list[torch.Tensor]:
+        """A copy of the slot's whole state, e.g. right after priming it with a voice's reference codes."""
+        self._check_slot(slot)
+        return [h.buffer[slot].clone() for h in self._histories()] + [self._positions[slot].clone()]
+
+    def restore(self, slot: int, state: list[torch.Tensor]) -> None:
+        """Put a `snapshot` back into `slot` (any slot): the same as resetting and priming it again."""
+        self._check_slot(slot)
+        *buffers, position = state
+        for history, saved in zip(self._histories(), buffers, strict=True):
+            history.buffer[slot].copy_(saved)
+        self._positions[slot].copy_(position)
+
+    def _histories(self) -> list[_History]:
+        return [*self._convs.values(), *itertools.chain.from_iterable(self._kv)]
 
     @torch.no_grad()
     def prime(self, slot: int, codes: torch.Tensor) -> None:
@@ -151,7 +169,7 @@ class StreamingCodecDecoder:
         self._check_slot(slot)
         if codes.dim() != 2:
             raise ValueError(f"codes must be [frames, {self.num_quantizers}], got {tuple(codes.shape)}")
-        slots = torch.tensor([slot], device=self.device)
+        slots = upload([slot], torch.int64, self.device)
         latent = self._latent(slots, self._check_codes(codes[None]))
         self._audio(slots, latent[..., -self.prime_frames :])
 
@@ -173,7 +191,7 @@ class StreamingCodecDecoder:
                 raise ValueError(f"need {codes.shape[0]} distinct slots, got {list(slots)}")
             for slot in slots:
                 self._check_slot(slot)
-            slot_tensor = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+            slot_tensor = upload(list(slots), torch.int64, self.device)
         return self._audio(slot_tensor, self._latent(slot_tensor, codes)).squeeze(1)
 
     def _check_slot(self, slot: int) -> None:

@@ -3,6 +3,10 @@
 `ModelRunner.frame_step` has fixed shapes for a given (b, kv_len) and never synchronises with the host, so
 a frame — 15 predictor steps, one talker step and all 16 samplings — replays as a single graph launch.
 Rows above the live batch inside a bucket are inactive: they compute but change nothing.
+
+Each family of graphs is captured on a stream of its own. cuBLAS keeps its workspace per (handle, stream) and
+a graph bakes in the capture stream's workspace, so codec graphs replayed beside frame graphs must not
+come from the same capture stream, or they would share a scratch buffer while running at the same time.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from .codec import StreamingCodecDecoder
-from .runner import ModelRunner
+from .host import upload
+from .runner import ModelRunner, PrefillRow
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class GraphedFrameStep:
             raise ValueError("buckets exceed the runner's slots or sequence length")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     def bucket(self, b: int, kv_len: int) -> tuple[int, int]:
         bi = bisect.bisect_left(self.batch_buckets, b)
@@ -66,7 +72,7 @@ class GraphedFrameStep:
                 runner.frame_step(b, kv)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 runner.frame_step(b, kv)
             if self._pool is None:
                 self._pool = graph.pool()
@@ -83,6 +89,96 @@ class GraphedFrameStep:
 
     def __call__(self, b: int, kv_len: int) -> None:
         self._graphs[self.bucket(b, kv_len)].replay()
+
+
+class GraphedPrefill:
+    """CUDA graphs of the batched prompt forward, one per (rows, tokens, KV length) bucket.
+
+    An eager prompt forward launches hundreds of kernels from Python (tens of ms of host time on an H200,
+    plus one-off library set-up for each new prompt length); a replay is one launch, so admitting a batch of
+    requests costs the running streams about one frame. Pieces beyond the largest bucket run eagerly.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        row_buckets: Iterable[int],
+        length_buckets: Iterable[int],
+        kv_buckets: Iterable[int],
+        max_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.keys = [
+            (b, t, k)
+            for b in sorted(set(row_buckets))
+            for t in sorted(set(length_buckets))
+            for k in sorted(set(kv_buckets))
+            if t <= k <= runner.max_seq_len and b * t <= max_tokens
+        ]
+        if not self.keys:
+            raise ValueError("no prefill bucket fits the runner")
+        largest_b = max(b for b, _, _ in self.keys)
+        tokens = max(b * t for b, t, _ in self.keys)
+        hidden = runner.frame_embeds.shape[-1]
+        dev = runner.device
+        # flat buffers, so every bucket's inputs are contiguous views of their first elements
+        self._embeds = torch.zeros(tokens * hidden, device=dev, dtype=runner.dtype)
+        self._write_pos = torch.zeros(tokens, device=dev, dtype=torch.int64)
+        self._slots = torch.zeros(largest_b, device=dev, dtype=torch.int64)
+        self._last = torch.zeros(largest_b, device=dev, dtype=torch.int64)
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
+
+    def _inputs(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.runner.frame_embeds.shape[-1]
+        return (
+            self._embeds[: b * t * hidden].view(b, t, hidden),
+            self._slots[:b],
+            self._write_pos[: b * t].view(b, t),
+            self._last[:b],
+        )
+
+    def bucket(self, b: int, t: int, kv_len: int) -> tuple[int, int, int] | None:
+        fitting = [key for key in self.keys if key[0] >= b and key[1] >= t and key[2] >= kv_len]
+        return min(fitting, key=lambda key: (key[0] * key[1], key[2]), default=None)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
+        self._write_pos.fill_(self.runner.max_seq_len)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        for b, t, k in tqdm(self.keys, desc="capturing prefill graphs", disable=not progress):
+            inputs = self._inputs(b, t)
+            with torch.cuda.stream(side):
+                self.runner.prefill_forward(*inputs, kv_len=k)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+                out = self.runner.prefill_forward(*inputs, kv_len=k)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[(b, t, k)] = (graph, out)
+        torch.cuda.synchronize()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def __call__(self, rows: list[PrefillRow]) -> bool:
+        """Prefill `rows` by replaying a bucket's graph; False (nothing done) when no bucket fits."""
+        length = max(r.embeds.shape[0] for r in rows)
+        key = self.bucket(len(rows), length, max(r.start + r.embeds.shape[0] for r in rows))
+        if key is None:
+            return False
+        b, t, k = key
+        graph, out = self._graphs[key]
+        for static, value in zip(self._inputs(b, t), self.runner.prefill_inputs(rows, b, t), strict=True):
+            static.copy_(value)
+        graph.replay()
+        self.runner.finish_prefill(rows, out)
+        return True
 
 
 class GraphedCodecDecode:
@@ -106,6 +202,7 @@ class GraphedCodecDecode:
         self._codes = torch.zeros(largest, self.frame_sizes[-1], codec.num_quantizers, dtype=torch.long, device=codec.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
@@ -118,7 +215,7 @@ class GraphedCodecDecode:
                 self.codec.decode(slots, codes)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 out = self.codec.decode(slots, codes)
             if self._pool is None:
                 self._pool = graph.pool()
@@ -138,7 +235,7 @@ class GraphedCodecDecode:
         bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
         graph, out = self._graphs[(bucket, t)]
         self._slots[:bucket].copy_(self._scratch[:bucket])
-        self._slots[:b].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self._slots[:b].copy_(upload(slots, torch.int64, self._slots.device))
         self._codes[:b, :t].copy_(codes)
         graph.replay()
         return out[:b]

@@ -9,6 +9,7 @@ the model.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
@@ -16,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,9 +35,10 @@ from ..errors import (
     UnsupportedLanguageError,
 )
 from .codec import StreamingCodecDecoder
-from .cuda_graphs import GraphedCodecDecode, GraphedFrameStep, power_of_two_buckets
+from .cuda_graphs import GraphedCodecDecode, GraphedFrameStep, GraphedPrefill, power_of_two_buckets
+from .host import upload
 from .prompt import PromptBody, PromptBuilder, PromptSpec
-from .runner import ModelRunner
+from .runner import ModelRunner, PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer
@@ -54,6 +57,11 @@ from .types import (
 from .voices import AudioInput, VoiceEncoder, load_voice, save_voice
 
 logger = logging.getLogger(__name__)
+
+# Prompts prefilled together in one batched forward: a batch costs the running streams about one frame.
+MAX_PREFILL_ROWS = 16
+# Primed codec states kept per cloned voice (a few MB each), so a voice's reference codes are decoded once.
+CODEC_STATE_CACHE = 64
 
 
 @dataclass
@@ -79,6 +87,7 @@ class _Request:
     text_ids: list[int] = field(default_factory=list)  # final target tokens so far
     closed: bool = False
     slot: int | None = None
+    head: torch.Tensor | None = None  # prompt head embeddings not yet prefilled
     body_done: bool = False
     consumed: int = 0  # target tokens already placed in the prompt body or the text track
     track_len: int = 0  # text-track tokens handed to the runner
@@ -135,6 +144,7 @@ class Engine:
         chunk_schedule: Sequence[int] = DEFAULT_CHUNK_SCHEDULE,
         keep_codes: bool = False,
         use_cuda_graphs: bool = True,
+        overlap_codec: bool = True,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
     ) -> None:
         self._official = official
@@ -170,6 +180,15 @@ class Engine:
         graphed = self.device.type == "cuda" and use_cuda_graphs
         # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
         self._codec = StreamingCodecDecoder(decoder, max_streams=2 * max_streams if graphed else max_streams)
+        self._codec_states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
+        # Audio decoding on its own CUDA stream runs beside the frame steps instead of between them; the
+        # steps get the higher priority, so a large decode fills the GPU's gaps rather than delaying a frame.
+        self._step_stream: torch.cuda.Stream | None = None
+        self._codec_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and overlap_codec:
+            _, highest = torch.cuda.Stream.priority_range()
+            self._step_stream = torch.cuda.Stream(self.device, priority=highest)
+            self._codec_stream = torch.cuda.Stream(self.device)
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
 
         self._commands: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
@@ -199,12 +218,17 @@ class Engine:
         # on a GPU the host reads a step's results while the next step runs; on the CPU there is nothing to overlap
         self._pipelined = pin
         self._graphs: GraphedFrameStep | None = None
+        self._prefill_graphs: GraphedPrefill | None = None
         self._codec_graphs: GraphedCodecDecode | None = None
         if graphed:
-            self._graphs = GraphedFrameStep(
+            kv_buckets = power_of_two_buckets(max_seq_len, start=min(128, max_seq_len))
+            self._graphs = GraphedFrameStep(self._runner, power_of_two_buckets(max_streams), kv_buckets)
+            self._prefill_graphs = GraphedPrefill(
                 self._runner,
-                power_of_two_buckets(max_streams),
-                power_of_two_buckets(max_seq_len, start=min(128, max_seq_len)),
+                power_of_two_buckets(min(MAX_PREFILL_ROWS, max_streams)),
+                [t for t in (32, 64, 128, 256) if t <= max_seq_len] or [max_seq_len],
+                [k for k in kv_buckets if k <= 512] or kv_buckets[:1],
+                max_tokens=2048,
             )
             self._codec_graphs = GraphedCodecDecode(
                 self._codec, max_streams, power_of_two_buckets(max_streams), set(self.chunk_schedule) | {1, 2, 4, 8}
@@ -376,9 +400,9 @@ class Engine:
     def warmup(self, progress: bool = True) -> None:
         """Capture the CUDA graphs and run one short utterance end to end, so no caller pays first-call costs."""
         if self._graphs is not None and not self._graphs.captured:
-            done = threading.Event()
-            self._command(("capture", done, progress))
-            done.wait()
+            captured: Future[None] = Future()
+            self._command(("capture", captured, progress))
+            captured.result()
         voice = Voice()
         if self.model_type == "base":
             t = np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE
@@ -403,6 +427,9 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self._step_stream is not None:
+            torch.cuda.synchronize(self.device)  # the state tensors were made on the loading thread's stream
+            torch.cuda.set_stream(self._step_stream)
         while True:
             idle = not self._runnable() and not self._waiting_for_slot() and self._launched is None
             try:
@@ -425,9 +452,12 @@ class Engine:
                 self._admit()
                 self._advance_prompts()
                 previous, self._launched = self._launched, None
-                # Normally the next step is queued before reading the previous one, so the GPU never idles;
-                # a stream still waiting for its first audio gets its chunk decoded ahead of that step instead.
-                urgent = previous is not None and any(r.frames == 0 for r in previous.rows)
+                # Normally the next step is queued before reading the previous one, so the GPU never idles.
+                # When the codec shares the steps' stream, a stream still waiting for its first audio gets its
+                # chunk decoded ahead of that step instead.
+                urgent = (
+                    self._codec_stream is None and previous is not None and any(r.frames == 0 for r in previous.rows)
+                )
                 if urgent:
                     self._collect(previous)
                     self._deliver_decoded(wait=True)
@@ -453,12 +483,18 @@ class Engine:
     def _apply(self, command: tuple[str, object, object]) -> None:
         kind, target, payload = command
         if kind == "capture":  # on this thread: nothing else may touch the device during a capture
+            assert isinstance(target, Future)
             try:
-                assert self._graphs is not None and self._codec_graphs is not None
-                self._graphs.capture(progress=bool(payload))
-                self._codec_graphs.capture(progress=bool(payload))
-            finally:
-                target.set()  # type: ignore[attr-defined]
+                for graphs in (self._graphs, self._prefill_graphs):
+                    if graphs is not None:
+                        graphs.capture(progress=bool(payload))
+                if self._codec_graphs is not None:
+                    with self._codec_context():
+                        self._codec_graphs.capture(progress=bool(payload))
+            except Exception as exc:  # noqa: BLE001 - the caller of warmup() gets it
+                target.set_exception(exc)
+            else:
+                target.set_result(None)
             return
         if kind == "open":
             request = target
@@ -480,59 +516,101 @@ class Engine:
             self._finish(request, "cancelled")
 
     def _admit(self) -> None:
-        # a prefill holds up the running streams' next frame: while any are running, take one per frame
-        budget = 1 if self._runnable() else len(self._waiting)
-        while self._waiting and self._free_slots and budget > 0:
-            budget -= 1
+        """Give waiting requests slots (a batch per frame); their prompts run in the next batched prefill."""
+        admitted = 0
+        while self._waiting and self._free_slots and admitted < MAX_PREFILL_ROWS:
+            admitted += 1
             request = self._waiting.pop(0)
             slot = heapq.heappop(self._free_slots)
             request.slot = slot
             request.stream.result.queue_wait = time.perf_counter() - request.stream.submitted
             self._running[slot] = request
-            params = asdict(request.sampling)
-            self._runner.reset_slot(slot, params)
-            self._codec.reset(slot)
-            if request.spec.icl:
-                ref_codes = request.spec.clone.ref_codes.to(self.device)  # type: ignore[union-attr]
-                if self._codec_graphs is not None and self._codec_graphs.captured:
-                    self._codec_graphs.prime(slot, ref_codes)
-                else:
-                    self._codec.prime(slot, ref_codes)
             try:
+                self._runner.reset_slot(slot, asdict(request.sampling))
+                self._start_codec(slot, request.spec)
                 head = self._prompts.head(request.spec)
                 if head.shape[0] >= self._runner.max_seq_len:
                     raise InvalidRequestError(f"the instruction does not fit max_seq_len={self._runner.max_seq_len}")
-                self._runner.prefill(slot, head, sample=False)
-                request.position = head.shape[0]
+                request.head = head
             except Exception as exc:  # noqa: BLE001
                 self._finish(request, "error", exc)
 
+    def _codec_context(self) -> contextlib.AbstractContextManager[object]:
+        """Every codec operation runs on the codec stream (when there is one), so they stay ordered."""
+        return torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else contextlib.nullcontext()
+
+    def _start_codec(self, slot: int, spec: PromptSpec) -> None:
+        """Reset the slot's codec state; a cloned voice continues from its reference codes, decoded once."""
+        with self._codec_context():
+            clone = spec.clone
+            if not spec.icl or clone is None:
+                self._codec.reset(slot)
+                return
+            state = self._codec_states.get(clone.voice_id)
+            if state is not None:
+                self._codec_states.move_to_end(clone.voice_id)
+                self._codec.restore(slot, state)
+                return
+            self._codec.reset(slot)
+            ref_codes = upload(clone.ref_codes, torch.int64, self.device)  # type: ignore[arg-type]
+            if self._codec_graphs is not None and self._codec_graphs.captured:
+                self._codec_graphs.prime(slot, ref_codes)
+            else:
+                self._codec.prime(slot, ref_codes)
+            self._codec_states[clone.voice_id] = self._codec.snapshot(slot)
+            if len(self._codec_states) > CODEC_STATE_CACHE:
+                self._codec_states.popitem(last=False)
+
     def _advance_prompts(self) -> None:
+        """Feed newly final text to running streams and prefill, in one batch, the prompt pieces now ready."""
+        pieces: list[tuple[_Request, PrefillRow, PromptBody | None]] = []
         for request in list(self._running.values()):
             try:
-                if not request.body_done:
-                    if not self._prompts.body_ready(request.spec, len(request.text_ids), request.closed):
-                        continue
-                    if request.closed and not request.text_ids:
-                        raise InvalidTextError("text is empty")
-                    body: PromptBody = self._prompts.body(request.spec, request.text_ids, request.closed)
-                    needed = request.position + body.embeds.shape[0]
-                    if needed >= self._runner.max_seq_len:
-                        raise InvalidTextError(
-                            f"the prompt needs {needed} positions; this engine holds {self._runner.max_seq_len} "
-                            "(shorten the text or raise max_seq_len)"
-                        )
-                    self._runner.prefill(request.slot, body.embeds, sample=True)  # type: ignore[arg-type]
-                    request.body_done = True
-                    request.prefill_done = time.perf_counter()
-                    request.position += body.embeds.shape[0]
-                    request.consumed = len(request.text_ids)
-                    self._feed_track(request, body.trailing_ids)
-                else:
+                if request.body_done:
                     new_ids = request.text_ids[request.consumed :]
                     request.consumed = len(request.text_ids)
                     eos = [self._prompts.tts_eos_id] if request.closed and not request.eos_fed else []
                     self._feed_track(request, new_ids + eos)
+                    continue
+                if len(pieces) >= MAX_PREFILL_ROWS:
+                    continue
+                body = None
+                if self._prompts.body_ready(request.spec, len(request.text_ids), request.closed):
+                    if request.closed and not request.text_ids:
+                        raise InvalidTextError("text is empty")
+                    body = self._prompts.body(request.spec, request.text_ids, request.closed)
+                elif request.head is None:
+                    continue  # head done, body waits for text
+                parts = [p for p in (request.head, body.embeds if body else None) if p is not None]
+                embeds = torch.cat(parts) if len(parts) > 1 else parts[0]
+                needed = request.position + embeds.shape[0]
+                if needed >= self._runner.max_seq_len:
+                    raise InvalidTextError(
+                        f"the prompt needs {needed} positions; this engine holds {self._runner.max_seq_len} "
+                        "(shorten the text or raise max_seq_len)"
+                    )
+                pieces.append((request, PrefillRow(request.slot, request.position, embeds, body is not None), body))  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001
+                self._finish(request, "error", exc)
+        if pieces:
+            self._prefill(pieces)
+
+    def _prefill(self, pieces: list[tuple[_Request, PrefillRow, PromptBody | None]]) -> None:
+        rows = [row for _, row, _ in pieces]
+        graphs = self._prefill_graphs
+        if graphs is None or not graphs.captured or not graphs(rows):
+            self._runner.prefill(rows)
+        now = time.perf_counter()
+        for request, row, body in pieces:
+            request.head = None
+            request.position += row.embeds.shape[0]
+            if body is None:
+                continue
+            request.body_done = True
+            request.prefill_done = now
+            request.consumed = len(request.text_ids)
+            try:
+                self._feed_track(request, body.trailing_ids)
             except Exception as exc:  # noqa: BLE001
                 self._finish(request, "error", exc)
 
@@ -615,7 +693,7 @@ class Engine:
                 r.finish_reason = "max_frames"  # the frame budget, or the KV cache, is used up
             if r.finish_reason or len(r.pending) >= r.next_chunk_frames():
                 due.setdefault(len(r.pending), []).append(r)
-        for n_frames, group in due.items():
+        for n_frames, group in sorted(due.items()):  # first chunks (1 frame) ahead of long ones
             self._decode(group, n_frames)
         for r in launched.rows:
             if r.finish_reason and r.slot is not None:
@@ -625,18 +703,19 @@ class Engine:
     def _decode(self, group: list[_Request], n_frames: int) -> None:
         """Decode the due chunks of a group (same chunk length) in one batched call; read back asynchronously."""
         slots = [r.slot for r in group]
-        codes = torch.from_numpy(np.stack([np.stack(r.pending) for r in group])).to(self.device)
-        graphs = self._codec_graphs
-        if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
-            pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
-        else:
-            pcm = self._codec.decode(slots, codes)  # type: ignore[arg-type]
-        host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        host.copy_(pcm, non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        with self._codec_context():
+            codes = upload(np.stack([np.stack(r.pending) for r in group]), torch.int64, self.device)
+            graphs = self._codec_graphs
+            if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
+                pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
+            else:
+                pcm = self._codec.decode(slots, codes)  # type: ignore[arg-type]
+            host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+            host.copy_(pcm, non_blocking=True)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
         chunks = []
         for r in group:
             chunks.append((r, r.pending_start, r.pending_start + n_frames, bool(r.finish_reason)))
@@ -646,11 +725,12 @@ class Engine:
         self._decoding.append(_Decoding(chunks, host, event))
 
     def _deliver_decoded(self, wait: bool) -> None:
-        """Hand finished decodes to their streams, oldest first; block on the oldest only if `wait`."""
+        """Hand finished decodes to their streams, oldest first; block on the oldest if `wait` or if it holds
+        a stream's first audio (nothing is worth more than that chunk's milliseconds)."""
         while self._decoding:
             decoding = self._decoding[0]
             if decoding.event is not None and not decoding.event.query():
-                if not wait:
+                if not (wait or any(start == 0 for _, start, _, _ in decoding.chunks)):
                     return
                 decoding.event.synchronize()
             self._decoding.popleft()

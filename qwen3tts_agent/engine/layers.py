@@ -72,14 +72,15 @@ class FusedDecoderLayer:
         cache_v: torch.Tensor,
         write_rows: torch.Tensor,
         write_pos: torch.Tensor,
-        read_rows: slice,
+        read_rows: slice | torch.Tensor,
         read_len: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """x [b, t, hidden] -> [b, t, hidden]. cos/sin [b, t, head_dim]. caches [slots, kv_heads, len, dim].
 
         New keys/values go to (write_rows [b, 1], write_pos [b, t]); attention then reads cache rows
-        `read_rows`, positions [0, read_len), under `mask` (bool [b, 1, t, read_len]; None = causal).
+        `read_rows` (a slice, or slot indices [b]), positions [0, read_len), under `mask`
+        (bool [b, 1, t, read_len]; None = causal).
         """
         b, t, _ = x.shape
         d = self.head_dim

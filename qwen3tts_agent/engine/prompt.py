@@ -8,11 +8,15 @@ that the body does not take is fed one token per frame afterwards (the "trailing
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
 
+from .host import upload
 from .types import TextLayout, VoicePrompt
+
+VOICE_CACHE = 64  # cloned voices whose prompt tensors stay on the device
 
 
 @dataclass(frozen=True)
@@ -51,24 +55,35 @@ class PromptBuilder:
         self._device = next(talker.parameters()).device
         self._dtype = next(talker.parameters()).dtype
         self._role_ids = role_ids
+        self._voices: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = collections.OrderedDict()
 
     @property
     def tts_eos_id(self) -> int:
         return int(self._cfg.tts_eos_token_id)
 
     def _text(self, ids: list[int] | tuple[int, ...]) -> torch.Tensor:
-        t = torch.tensor(list(ids), device=self._device, dtype=torch.long)
-        return self._text_projection(self._text_embedding(t))
+        return self._text_projection(self._text_embedding(upload(list(ids), torch.long, self._device)))
 
     def _codec(self, ids: list[int]) -> torch.Tensor:
-        return self._codec_embedding(torch.tensor(ids, device=self._device, dtype=torch.long))
+        return self._codec_embedding(upload(ids, torch.long, self._device))
 
-    def _ref_code_embeds(self, codes: torch.Tensor) -> torch.Tensor:
-        """Per-frame sum of the 16 codebook embeddings of the reference codes [frames, 16]."""
-        codes = codes.to(self._device)
-        parts = [self._codec_embedding(codes[:, 0])]
-        parts += [emb(codes[:, i + 1]) for i, emb in enumerate(self._predictor_embeddings)]
-        return torch.stack(parts, dim=1).sum(1)
+    def _voice(self, clone: VoicePrompt) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A cloned voice's speaker embedding [1, hidden] and reference-code embeddings [frames, hidden]."""
+        cached = self._voices.get(clone.voice_id)
+        if cached is not None:
+            self._voices.move_to_end(clone.voice_id)
+            return cached
+        speaker = upload(clone.speaker_embedding, self._dtype, self._device).view(1, -1)  # type: ignore[arg-type]
+        ref = None
+        if clone.ref_codes is not None:
+            codes = upload(clone.ref_codes, torch.long, self._device)  # type: ignore[arg-type]
+            parts = [self._codec_embedding(codes[:, 0])]
+            parts += [emb(codes[:, i + 1]) for i, emb in enumerate(self._predictor_embeddings)]
+            ref = torch.stack(parts, dim=1).sum(1)
+        self._voices[clone.voice_id] = (speaker, ref)
+        if len(self._voices) > VOICE_CACHE:
+            self._voices.popitem(last=False)
+        return speaker, ref
 
     @torch.inference_mode()
     def head(self, spec: PromptSpec) -> torch.Tensor:
@@ -79,7 +94,7 @@ class PromptBuilder:
             tags = [cfg.codec_think_id, cfg.codec_think_bos_id, spec.language_id, cfg.codec_think_eos_id]
         codec = [self._codec(tags)]
         if spec.clone is not None:
-            codec.append(spec.clone.speaker_embedding.to(self._device, self._dtype).view(1, -1))  # type: ignore[union-attr]
+            codec.append(self._voice(spec.clone)[0])
         elif spec.speaker_id is not None:
             codec.append(self._codec([spec.speaker_id]))
         codec.append(self._codec([cfg.codec_pad_id]))  # codec_bos, the last codec-prefix token, opens the body
@@ -114,7 +129,7 @@ class PromptBuilder:
         tail = [eos] if closed else []
         if spec.icl:
             all_ids = list(spec.ref_text_ids) + text_ids + tail
-            codec = torch.cat([self._codec([cfg.codec_bos_id]), self._ref_code_embeds(spec.clone.ref_codes)])  # type: ignore[union-attr]
+            codec = torch.cat([self._codec([cfg.codec_bos_id]), self._voice(spec.clone)[1]])  # type: ignore[arg-type]
             if spec.layout is TextLayout.PREFILL:
                 embeds = torch.cat([
                     self._text(all_ids) + self._codec([cfg.codec_pad_id] * len(all_ids)),

@@ -12,12 +12,30 @@ not active in a step still flow through the maths but write their KV to a scratc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
 
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """A piece of one slot's prompt: embeddings [t, hidden] written from cache position `start`.
+
+    A prompt may arrive in pieces (its head before the text is known); the piece that ends it has
+    `sample=True`, which samples the first codebook-0 token from its last position.
+    """
+
+    slot: int
+    start: int
+    embeds: torch.Tensor
+    sample: bool
 
 
 class ModelRunner:
@@ -137,7 +155,7 @@ class ModelRunner:
         end = start + len(ids)
         if end > self.max_text_tokens:
             raise ValueError(f"text track longer than {self.max_text_tokens} tokens")
-        self.text_ids[slot, start:end] = torch.tensor(ids, device=self.device, dtype=torch.int64)
+        self.text_ids[slot, start:end] = upload(ids, torch.int64, self.device)
         self.text_len[slot] = end
 
     # ----------------------------------------------------------------- the model maths
@@ -145,7 +163,13 @@ class ModelRunner:
         return self.text_projection(self.text_embedding(ids))
 
     def _talker_forward(
-        self, x: torch.Tensor, write_rows: torch.Tensor, write_pos: torch.Tensor, read_rows: slice, read_len: int, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        write_rows: torch.Tensor,
+        write_pos: torch.Tensor,
+        read_rows: slice | torch.Tensor,
+        read_len: int,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
@@ -182,30 +206,62 @@ class ModelRunner:
         self.n_sampled[rows] += act.long()
 
     @torch.inference_mode()
-    def prefill(self, slot: int, embeds: torch.Tensor, *, sample: bool) -> None:
-        """Run prompt embeddings [t, hidden] into a slot's cache at its current position.
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        """Run prompt pieces of several slots in one batched forward pass (eagerly, unpadded)."""
+        inputs = self.prefill_inputs(rows, len(rows), max(r.embeds.shape[0] for r in rows))
+        kv_len = max(r.start + r.embeds.shape[0] for r in rows)
+        self.finish_prefill(rows, self.prefill_forward(*inputs, kv_len=kv_len))
 
-        A prompt may arrive in pieces (its head before the text is known); the piece that ends it has
-        `sample=True`, which samples the first codebook-0 token from its last position.
+    def prefill_inputs(
+        self, rows: Sequence[PrefillRow], batch: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pad rows to [batch, length]: (embeds, slots, write positions, index of each row's last token).
+
+        Padding positions and padding rows write to the spare cache column, so they change no slot.
         """
-        t = embeds.shape[0]
-        start = int(self.pos[slot])
-        if start + t > self.max_seq_len:
-            raise ValueError(f"prompt of {start + t} positions exceeds max_seq_len={self.max_seq_len}")
-        write_pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
-        keys = torch.arange(start + t, device=self.device)
-        mask = (keys.unsqueeze(0) <= write_pos.squeeze(0).unsqueeze(1)).view(1, 1, t, start + t)
-        rows = torch.tensor([[slot]], device=self.device)
-        hidden = self._talker_forward(
-            embeds.to(self.dtype).unsqueeze(0), rows, write_pos, slice(slot, slot + 1), start + t, mask
+        spare = self.max_seq_len
+        slots = [r.slot for r in rows] + [rows[0].slot] * (batch - len(rows))
+        write_pos = torch.full((batch, length), spare, dtype=torch.int64)
+        last = torch.zeros(batch, dtype=torch.int64)
+        embeds = torch.zeros(batch, length, self.frame_embeds.shape[-1], device=self.device, dtype=self.dtype)
+        for i, r in enumerate(rows):
+            t = r.embeds.shape[0]
+            if r.start + t > self.max_seq_len:
+                raise ValueError(f"prompt of {r.start + t} positions exceeds max_seq_len={self.max_seq_len}")
+            write_pos[i, :t] = torch.arange(r.start, r.start + t)
+            last[i] = t - 1
+            embeds[i, :t] = r.embeds
+        return (
+            embeds,
+            upload(slots, torch.int64, self.device),
+            upload(write_pos, torch.int64, self.device),
+            upload(last, torch.int64, self.device),
         )
-        self.pos[slot] = start + t
-        if sample:
-            last = hidden[:, -1]
-            row = rows.view(1)
-            gumbel = gumbel_noise(self.seed[row], self.n_sampled[row].unsqueeze(1) * self.num_groups, self.vocab_size)
-            code0 = self._sample_code0(self.codec_head(last), row, gumbel[:, 0])
-            self._after_code0(row, code0, last, torch.ones(1, device=self.device, dtype=torch.bool))
+
+    def prefill_forward(
+        self, embeds: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, last: torch.Tensor, *, kv_len: int
+    ) -> torch.Tensor:
+        """Talker over padded prompt pieces [b, t, hidden]; returns each row's last hidden state [b, hidden].
+
+        Fixed shapes for a given (b, t, kv_len) and no host synchronisation, so it can be captured.
+        """
+        keys = torch.arange(kv_len, device=self.device)
+        mask = (keys <= write_pos.unsqueeze(-1)).unsqueeze(1)  # [b, 1, t, kv_len]
+        hidden = self._talker_forward(embeds, slots.unsqueeze(1), write_pos, slots, kv_len, mask)
+        return hidden[self._arange_slots[: embeds.shape[0]], last]
+
+    def finish_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
+        """Advance the slots' positions; rows that end their prompt sample their first codebook-0 token."""
+        n = len(rows)
+        slots = upload([r.slot for r in rows], torch.int64, self.device)
+        self.pos[slots] = upload([r.start + r.embeds.shape[0] for r in rows], torch.int64, self.device)
+        if not any(r.sample for r in rows):
+            return
+        act = upload([r.sample for r in rows], torch.bool, self.device)
+        hidden = last_hidden[:n]
+        gumbel = gumbel_noise(self.seed[slots], self.n_sampled[slots].unsqueeze(1) * self.num_groups, self.vocab_size)
+        code0 = self._sample_code0(self.codec_head(hidden), slots, gumbel[:, 0])
+        self._after_code0(slots, code0, hidden, act)
 
     @torch.inference_mode()
     def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:
