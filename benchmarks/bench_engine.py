@@ -142,43 +142,48 @@ async def cancel_latency(engine: Engine, voice: Voice, background: int, trials: 
 
 
 def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> dict[str, dict[str, float]]:
-    """GPU time of one whole-frame graph replay, and of its two halves, per batch bucket (events, median)."""
+    """GPU time of one whole-frame graph replay, and of its two halves, per batch bucket (events, median).
+
+    With the Triton layer kernels on, the same graphs are also timed on the PyTorch layer path (`*_torch_ms`).
+    """
     runner = engine._runner
+    fused = runner.fused_kernels
     out: dict[str, dict[str, float]] = {}
     side = torch.cuda.Stream()
     for b in sizes:
-        graphs = {}
-        for name, fn in {
-            "frame": lambda b=b: runner.frame_step(b, kv_len),
-            "predictor_15_steps": lambda b=b: runner.predict_codes(b),
-            "talker_step": lambda b=b: runner.talker_step(b, kv_len),
-        }.items():
-            with torch.inference_mode():
-                with torch.cuda.stream(side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-            graphs[name] = graph
         row = {}
-        for name, graph in graphs.items():
-            times = []
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            row[name + "_ms"] = statistics.median(times)
+        for kernels_on in (True, False) if fused else (False,):
+            runner.fused_kernels = kernels_on
+            suffix = "_ms" if kernels_on == fused else "_torch_ms"
+            for name, fn in {
+                "frame": lambda b=b: runner.frame_step(b, kv_len),
+                "predictor_15_steps": lambda b=b: runner.predict_codes(b),
+                "talker_step": lambda b=b: runner.talker_step(b, kv_len),
+            }.items():
+                with torch.inference_mode():
+                    with torch.cuda.stream(side):
+                        fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fn()
+                times = []
+                for _ in range(reps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                row[name + suffix] = statistics.median(times)
+        runner.fused_kernels = fused
         out[str(b)] = row
-        log(f"  graph batch {b}: frame {row['frame_ms']:.2f} ms (predictor {row['predictor_15_steps_ms']:.2f}, talker {row['talker_step_ms']:.2f})")
+        log(f"  graph batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     return out
 
 
 KERNEL_KINDS = (  # substrings of kernel names, first match wins
-    ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_kernel_decode")),
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_norm_linear", "_linear_residual")),
     ("attention", ("flash", "attention", "fmha", "softmax")),
     ("sampling and top-k", ("topk", "sort", "radix", "argmax", "cumsum", "scan", "gather", "scatter")),
     ("norm and reductions", ("norm", "reduce")),
@@ -257,7 +262,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     # --- single stream, on an engine with one slot (its memory is what one stream costs)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec)
+    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
+                    fused_kernels=args.fused_kernels)
     engine.warmup(progress=False)
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
     singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
@@ -274,23 +280,31 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     }
     log(f"single stream: {report['single_stream']}")
     if cuda:
+        report["fused_kernels"] = engine._runner.fused_kernels
         report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
-        report["kernel_breakdown_b1"] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
-        log(f"kernels of one frame: {json.dumps(report['kernel_breakdown_b1'])}")
+        fused = engine._runner.fused_kernels
+        report["kernel_breakdown_b1"] = {}
+        for kernels_on in (True, False) if fused else (False,):
+            engine._runner.fused_kernels = kernels_on
+            name = "triton_layers" if kernels_on else "torch_layers"
+            report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
+            log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
+        engine._runner.fused_kernels = fused
     engine.close()
     del engine
 
     if args.single_only:
         return report
     # --- many streams on one engine
-    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec)
+    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
+                    fused_kernels=args.fused_kernels)
     started = time.perf_counter()
     engine.warmup(progress=True)
     report["warmup_s"] = time.perf_counter() - started
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
     if cuda:
         report["graph_replay_batched"] = graph_frame_ms(
-            engine, [b for b in (8, 32, 64, 128, 256) if b <= args.max_streams], kv_len=min(256, args.max_seq_len), reps=20
+            engine, [b for b in (4, 16, 32, 64, 128, 256) if b <= args.max_streams], kv_len=min(256, args.max_seq_len), reps=20
         )
         report["codec_decode_ms"] = {
             f"{mode}_batch{b}_frames{f}": codec_ms(engine, b, f, 10, graphed=mode == "graphed")
@@ -333,6 +347,8 @@ def main() -> None:
     parser.add_argument("--single-only", action="store_true")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
                         help="decode audio on the frame steps' CUDA stream")
+    parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                        help="PyTorch layers instead of the Triton decode kernels")
     parser.add_argument("--smoke", action="store_true", help="a short GPU run that exercises every path")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))

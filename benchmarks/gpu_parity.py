@@ -41,7 +41,7 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     return {"token_agreement": float((a[:n] == b[:n]).float().mean()), "frames_before_first_difference": first}
 
 
-def compare(model: str, device: str, dtype: torch.dtype, frames: int, overlap_codec: bool) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
+def compare(model: str, device: str, dtype: torch.dtype, frames: int, flags: dict[str, bool]) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
     official = load_official_model(model, device=device, dtype=dtype, progress=True)
     reference = demo_reference()
     items = official.create_voice_clone_prompt(ref_audio=reference, ref_text=REF_TEXT)
@@ -59,7 +59,7 @@ def compare(model: str, device: str, dtype: torch.dtype, frames: int, overlap_co
     theirs = captured[0][ref_frames:]
     log(f"official: {theirs.shape[0]} frames in {official_s:.1f} s")
 
-    engine = Engine(official, max_streams=4, max_seq_len=512, keep_codes=True, overlap_codec=overlap_codec)
+    engine = Engine(official, max_streams=4, max_seq_len=512, keep_codes=True, **flags)
     engine.warmup(progress=False)
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
     # run beside another stream so the comparison covers batched steps too
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false")
+    parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false")
     parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"))
     args = parser.parse_args()
     # TF32 would make the fp32 check compare two rounding paths; bf16 runs are unaffected
@@ -99,7 +100,10 @@ def main() -> None:
     results = []
     fp32_official = None
     for name in args.dtypes.split(","):
-        result, ours, theirs = compare(args.model, args.device, getattr(torch, name), args.frames, args.overlap_codec)
+        result, ours, theirs = compare(
+            args.model, args.device, getattr(torch, name), args.frames,
+            dict(overlap_codec=args.overlap_codec, fused_kernels=args.fused_kernels),
+        )
         if name == "float32":
             fp32_official = theirs
         elif fp32_official is not None:

@@ -2,8 +2,9 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. If the smoke stage fails
-# with the codec on its own CUDA stream, the later stages run with --no-overlap-codec (and say so).
+# Stages: smoke, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
+# engine's defaults, then without the Triton kernels, then also without the codec's own stream; the later
+# stages run with the first set of flags that passed (and say so).
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
@@ -18,19 +19,21 @@ install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
 checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
 
-overlap=""
+flags=""
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     smoke)
-      if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 benchmarks/bench_engine.py --model synthetic:0.6b --smoke \
-           --out $out/smoke-0.6b.json" > "$out/smoke.log" 2>&1; then echo "smoke: ok"
-      else overlap=--no-overlap-codec; echo "smoke: FAILED, later stages run with $overlap"; grep -v Assertion "$out/smoke.log" | tail -5; fi ;;
-    kernels) python3 benchmarks/bench_kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
-    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $overlap --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+      for flags in "" "--no-fused-kernels" "--no-fused-kernels --no-overlap-codec"; do
+        if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 benchmarks/bench_engine.py --model synthetic:0.6b \
+             --smoke $flags --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
+        else echo "smoke FAILED with flags: '$flags'"; grep -v Assertion "$out/smoke.log" | tail -4; fi
+      done ;;
+    kernels) official benchmarks/bench_kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
+    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $flags --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
-                   $overlap --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
-    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $overlap \
+                   $flags --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py

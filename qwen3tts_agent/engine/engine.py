@@ -145,6 +145,7 @@ class Engine:
         keep_codes: bool = False,
         use_cuda_graphs: bool = True,
         overlap_codec: bool = True,
+        fused_kernels: bool = True,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
     ) -> None:
         self._official = official
@@ -174,7 +175,8 @@ class Engine:
         self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
         # one text-track token per frame at most, so a track never outgrows the cache
         self._runner = ModelRunner(
-            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len, top_k_cap=top_k_cap
+            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len, top_k_cap=top_k_cap,
+            fused_kernels=fused_kernels,
         )
         decoder = model.speech_tokenizer.model.decoder
         graphed = self.device.type == "cuda" and use_cuda_graphs

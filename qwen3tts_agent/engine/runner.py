@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
@@ -49,7 +50,10 @@ class ModelRunner:
         max_seq_len: int,
         max_text_tokens: int,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
+        fused_kernels: bool = True,
     ) -> None:
+        """`fused_kernels`: single-token layers of batches up to `kernels.MAX_ROWS` run as the Triton kernels
+        of `kernels.py` where Triton can run (a GPU); elsewhere, and for longer inputs, the PyTorch path."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -61,6 +65,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
         self.top_k_cap = top_k_cap
+        self.fused_kernels = fused_kernels and kernels.available(self.device)
         self.num_groups = cfg.num_code_groups
         self.vocab_size = cfg.vocab_size
         self.eos_id = cfg.codec_eos_token_id
@@ -172,9 +177,17 @@ class ModelRunner:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
+        # the frame step's talker: rows are slots 0..b-1 and the mask is "keys up to the written position"
+        fused = isinstance(read_rows, slice) and read_rows == slice(0, x.shape[0]) and self._use_kernels(x)
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
+            if fused:
+                x = kernels.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
+            else:
+                x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
         return self.norm(x)
+
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        return self.fused_kernels and x.shape[1] == 1 and x.shape[0] <= kernels.MAX_ROWS
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
         t = x.shape[1]
@@ -183,8 +196,12 @@ class ModelRunner:
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
         pos = self._predictor_positions[start : start + t].expand(b, t)
+        fused = self._use_kernels(x)
         for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
-            x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
+            if fused:
+                x = kernels.decode_layer(layer, x, cos, sin, ck, cv, pos, start + t, masked=False)
+            else:
+                x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
         return self.p_norm(x[:, -1])
 
     def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor, gumbel: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
