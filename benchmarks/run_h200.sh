@@ -2,7 +2,7 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
+# Stages: smoke, sweep, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
 # engine's defaults, then without the Triton kernels, then also without the codec's own stream; the later
 # stages run with the first set of flags that passed (and say so).
 set -uo pipefail
@@ -29,7 +29,9 @@ for stage in "$@"; do
              --smoke $flags --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
         else echo "smoke FAILED with flags: '$flags'"; grep -v Assertion "$out/smoke.log" | tail -4; fi
       done ;;
-    kernels) official benchmarks/bench_kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
+    sweep) official benchmarks/sweep_gemv.py --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
+    kernels) official benchmarks/bench_kernels.py --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing \
+               --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
     parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $flags --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;

@@ -8,12 +8,14 @@ JSON; the tests below assert on them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,8 @@ TINY = {"hidden": 48, "heads": 6, "kv_heads": 2, "head_dim": 16, "ffn": 80}  # w
 REAL = {"hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072}
 # The interpreter pays per program and per op, so the real-width cases use wider tiles and fewer "SMs" than
 # the GPU defaults (the tiny cases use the GPU defaults); the kernels are the same, split paths included.
-REAL_PATCH = {"BLOCK_N": 64, "BLOCK_K_ELEMS": {2: 2048, 4: 1024}, "_sm_count": 16}
+REAL_TILES = {"block_n": 64, "block_k": 2048}
+REAL_PATCH = {"FP32_BLOCK_K": 1024, "_sm_count": 16}
 
 
 def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool) -> dict[str, Any]:
@@ -37,6 +40,7 @@ CASES = (
     [_case("tiny", "float32", b, n, True) for b in (1, 3, 8) for n in (1, 37, 200)]
     + [_case("tiny", "float32", b, n, False) for b, n in ((1, 200), (3, 37), (8, 200))]
     + [_case("tiny", "bfloat16", b, n, m) for b, n, m in ((1, 37, True), (3, 200, True), (8, 200, False))]
+    + [_case("tiny", "float32", b, n, True) for b, n in ((20, 37), (70, 200))]  # 32-row tile; two 64-row tiles
     + [_case("real", "float32", 3, 200, True), _case("real", "bfloat16", 8, 37, False)]
 )
 # max |error| / max |reference|. The interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even),
@@ -100,20 +104,13 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         ref = layer(x, cos, sin, ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
 
-    patch = REAL_PATCH if case["shape"] == "real" else {}
-    saved = {name: getattr(kernels, name) for name in patch}
-    for name, value in patch.items():
-        setattr(kernels, name, (lambda device, n=value: n) if name == "_sm_count" else value)
-    try:
+    with _patched(kernels, case["shape"] == "real"):
         assert kernels.available(torch.device("cpu"))
         out_k, out_v = cache_k.clone(), cache_v.clone()
         out = kernels.decode_layer(layer, x, cos, sin, out_k, out_v, write_pos, read_len, masked=masked)
-        block_k = kernels._gemv_opts(x, shape["ffn"])["BLOCK_K"]
-        gemv_splits = kernels._k_splits(shape["hidden"], shape["ffn"], block_k, x.device)[0]
+        tiles = kernels.gemv_tiles("residual", shape["hidden"], shape["ffn"], b)
+        gemv_splits = kernels._gemv_grid(shape["hidden"], shape["ffn"], b, dtype, tiles, x.device)["SPLITS"]
         attn_splits = kernels._kv_splits(b * kv_heads, read_len, x.device)[0]
-    finally:
-        for name, value in saved.items():
-            setattr(kernels, name, value)
 
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[torch.arange(b), :, write_pos[:, 0]] = True
@@ -130,6 +127,72 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         "written_changed": bool((out_k[written] != cache_k[written]).any()),
         "attn_splits": attn_splits,
         "gemv_splits": gemv_splits,
+    }
+
+
+@contextlib.contextmanager
+def _patched(kernels: Any, real: bool) -> Iterator[None]:
+    """Interpreter-sized tiles for the real-width cases (see REAL_TILES)."""
+    if not real:
+        yield
+        return
+    saved = {name: getattr(kernels, name) for name in (*REAL_PATCH, "gemv_tiles")}
+    kernels.FP32_BLOCK_K = REAL_PATCH["FP32_BLOCK_K"]
+    kernels._sm_count = lambda device: REAL_PATCH["_sm_count"]
+    kernels.gemv_tiles = lambda *args: kernels.GemvTiles(**REAL_TILES)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+
+
+GEMV_CASES = [
+    # (name, rows, n_out, k_dim, flavour, dtype, tiles): flavours as the decode layer and the heads use them
+    ("norm-b1", 1, 40, 48, "norm", "float32", None),
+    ("norm-b5-split", 5, 40, 200, "norm", "float32", {"block_n": 16, "block_k": 32, "programs_per_sm": 8}),
+    ("gated-b3", 3, 24, 48, "gated", "float32", None),
+    ("gated-b9-split", 9, 24, 200, "gated", "bfloat16", {"block_n": 16, "block_k": 32, "programs_per_sm": 8}),
+    ("residual-b2-split", 2, 48, 80, "residual", "float32", {"block_n": 16, "block_k": 16, "programs_per_sm": 8}),
+    ("residual-b40", 40, 48, 80, "residual", "bfloat16", None),
+    ("norm-b70-split", 70, 40, 96, "norm", "float32", {"block_n": 32, "block_k": 32, "programs_per_sm": 4}),
+    ("gated-b130", 130, 24, 48, "gated", "float32", {"block_n": 16, "block_k": 16, "programs_per_sm": 1}),
+]
+
+
+def _run_gemv(rows: int, n_out: int, k_dim: int, flavour: str, dtype_name: str, tiles: dict | None) -> dict[str, Any]:
+    """`kernels.gemv` against the PyTorch expression it replaces."""
+    import torch
+    import torch.nn.functional as F
+
+    from qwen3tts_agent.engine import kernels
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(rows * 7 + n_out)
+    gated = flavour == "gated"
+    x = (2 * torch.randn(rows, 2 * k_dim)).to(dtype)[:, :k_dim]  # a row stride other than k_dim
+    w = (torch.randn((2 if gated else 1) * n_out, k_dim) / k_dim**0.5).to(dtype)
+    g = (1 + 0.3 * torch.randn(k_dim)).to(dtype)
+    res = torch.randn(rows, n_out).to(dtype)
+    out = torch.empty(rows, n_out, dtype=dtype)
+    chosen = kernels.GemvTiles(**tiles) if tiles else None
+    if flavour == "residual":
+        ref = res + F.linear(x, w)
+        kernels.gemv(x, w, out, residual=res, tiles=chosen)
+    else:
+        h = F.rms_norm(x, (k_dim,), g, 1e-6)
+        ref = F.linear(h, w)
+        if gated:
+            gate, up = ref.split(n_out, dim=-1)
+            ref = F.silu(gate) * up
+        kernels.gemv(x, w, out, norm=g, eps=1e-6, gated=gated, tiles=chosen)
+    grid = kernels._gemv_grid(n_out, k_dim, rows, dtype, chosen or kernels.gemv_tiles(flavour, n_out, k_dim, rows), x.device)
+    counters_clear = bool((kernels._counters(x.device) == 0).all())
+    return {
+        "err": float((out.double() - ref.double()).abs().max() / ref.double().abs().max()),
+        "splits": grid["SPLITS"],
+        "row_tiles": grid["ROW_TILES"],
+        "counters_clear": counters_clear,
     }
 
 
@@ -186,6 +249,19 @@ def test_decode_layer_matches_torch_path(results: dict[str, dict[str, Any]], cas
     assert r["written_changed"], "the new keys were not written"
 
 
+@pytest.mark.parametrize("case", GEMV_CASES, ids=[c[0] for c in GEMV_CASES])
+def test_gemv_matches_torch(results: dict[str, dict[str, Any]], case: tuple) -> None:
+    r = results["gemv-" + case[0]]
+    assert r["err"] <= TOLERANCE[case[5]], r
+    assert r["counters_clear"], "every launch must leave its arrival counters zeroed"
+
+
+def test_gemv_cases_cover_splits_and_row_tiles(results: dict[str, dict[str, Any]]) -> None:
+    gemv = [results["gemv-" + c[0]] for c in GEMV_CASES]
+    assert {r["splits"] > 1 for r in gemv} == {True, False}
+    assert {r["row_tiles"] > 1 for r in gemv} == {True, False}
+
+
 def test_engine_with_kernels_matches_torch_layers(results: dict[str, dict[str, Any]]) -> None:
     """The runner's use of the kernels (talker masked, predictor unmasked, batched rows) gives the same codes."""
     engine = results["engine"]
@@ -209,6 +285,9 @@ if __name__ == "__main__":
         started = time.perf_counter()
         out[_case_id(case)] = _run_case(case)
         print(f"{_case_id(case)} ({time.perf_counter() - started:.1f} s): {out[_case_id(case)]}", file=sys.stderr, flush=True)
+    for name, *args in GEMV_CASES:
+        out["gemv-" + name] = _run_gemv(*args)
+        print(f"gemv-{name}: {out['gemv-' + name]}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     out["engine"] = _run_engine()
     print(f"engine ({time.perf_counter() - started:.1f} s): {out['engine']}", file=sys.stderr, flush=True)

@@ -185,19 +185,26 @@ class GraphedCodecDecode:
     """CUDA graphs of the streaming codec decoder, one per (batch bucket, chunk frames).
 
     The eager decoder launches a few hundred small kernels per call, which costs ~25 ms of host time on an
-    H200 whatever the batch; a replay costs a launch. Padding rows use scratch slots above `max_streams`
-    (the decoder is built with twice the slots), so a padded call never touches a live stream's state.
+    H200 whatever the batch; a replay costs a launch. Padding rows use the codec's scratch slots from
+    `scratch_start` on (above every live stream's slot), so a padded call never touches a live stream's state.
+    Two instances with separate scratch slots may replay at the same time on different CUDA streams: each
+    has its own static buffers and memory pool.
     """
 
-    def __init__(self, codec: StreamingCodecDecoder, max_streams: int, batch_buckets: Iterable[int], frame_sizes: Iterable[int]) -> None:
-        if codec.max_streams < 2 * max_streams:
-            raise ValueError("the codec needs max_streams scratch slots for padding")
-        self.codec = codec
-        self.max_streams = max_streams
+    def __init__(
+        self,
+        codec: StreamingCodecDecoder,
+        scratch_start: int,
+        batch_buckets: Iterable[int],
+        frame_sizes: Iterable[int],
+    ) -> None:
         self.batch_buckets = sorted(set(batch_buckets))
-        self.frame_sizes = sorted(set(frame_sizes))
         largest = self.batch_buckets[-1]
-        self._slots = torch.arange(max_streams, max_streams + largest, device=codec.device)
+        if codec.max_streams < scratch_start + largest:
+            raise ValueError("the codec needs a scratch slot for every padding row")
+        self.codec = codec
+        self.frame_sizes = sorted(set(frame_sizes))
+        self._slots = torch.arange(scratch_start, scratch_start + largest, device=codec.device)
         self._scratch = self._slots.clone()
         self._codes = torch.zeros(largest, self.frame_sizes[-1], codec.num_quantizers, dtype=torch.long, device=codec.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -230,7 +237,7 @@ class GraphedCodecDecode:
         return t in self.frame_sizes and b <= self.batch_buckets[-1]
 
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """Like `StreamingCodecDecoder.decode` for live slots < max_streams; returns a view of a static buffer."""
+        """Like `StreamingCodecDecoder.decode` for live slots; returns a view of a static buffer."""
         b, t = codes.shape[0], codes.shape[1]
         bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
         graph, out = self._graphs[(bucket, t)]

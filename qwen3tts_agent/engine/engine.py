@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 MAX_PREFILL_ROWS = 16
 # Primed codec states kept per cloned voice (a few MB each), so a voice's reference codes are decoded once.
 CODEC_STATE_CACHE = 64
+# First chunks decoded together on the first-chunk lane (more in one frame take the regular queue).
+FIRST_CHUNK_ROWS = 16
 
 
 @dataclass
@@ -98,6 +100,7 @@ class _Request:
     chunk_index: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # codes [16] not yet decoded
     pending_start: int = 0
+    codec_ready: torch.cuda.Event | None = None  # the slot's codec set-up, for the first-chunk lane to wait on
     codes: list[list[int]] = field(default_factory=list)
     prefill_done: float = 0.0
     first_frame: float = 0.0
@@ -180,17 +183,25 @@ class Engine:
         )
         decoder = model.speech_tokenizer.model.decoder
         graphed = self.device.type == "cuda" and use_cuda_graphs
-        # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
-        self._codec = StreamingCodecDecoder(decoder, max_streams=2 * max_streams if graphed else max_streams)
-        self._codec_states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         # Audio decoding on its own CUDA stream runs beside the frame steps instead of between them; the
         # steps get the higher priority, so a large decode fills the GPU's gaps rather than delaying a frame.
+        # First chunks take a lane of their own at the steps' priority: a stream's first audio never queues
+        # behind the longer chunks of the streams already playing.
         self._step_stream: torch.cuda.Stream | None = None
         self._codec_stream: torch.cuda.Stream | None = None
+        self._first_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and overlap_codec:
             _, highest = torch.cuda.Stream.priority_range()
             self._step_stream = torch.cuda.Stream(self.device, priority=highest)
             self._codec_stream = torch.cuda.Stream(self.device)
+            if graphed:
+                self._first_stream = torch.cuda.Stream(self.device, priority=highest)
+        first_rows = min(FIRST_CHUNK_ROWS, max_streams) if self._first_stream is not None else 0
+        # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
+        codec_slots = 2 * max_streams + first_rows if graphed else max_streams
+        self._codec = StreamingCodecDecoder(decoder, max_streams=codec_slots)
+        self._codec_states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
+        self._first_lane_done: torch.cuda.Event | None = None  # the last first-chunk decode
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
 
         self._commands: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
@@ -206,6 +217,7 @@ class Engine:
         self._closed = False
         self._launched: _Launched | None = None
         self._decoding: collections.deque[_Decoding] = collections.deque()
+        self._first_decoding: collections.deque[_Decoding] = collections.deque()  # the first-chunk lane's
         self._finishing: list[_Request] = []  # ended, last chunk still decoding
         pin = self.device.type == "cuda"
         self._host_buffers = [
@@ -222,6 +234,7 @@ class Engine:
         self._graphs: GraphedFrameStep | None = None
         self._prefill_graphs: GraphedPrefill | None = None
         self._codec_graphs: GraphedCodecDecode | None = None
+        self._first_codec_graphs: GraphedCodecDecode | None = None
         if graphed:
             kv_buckets = power_of_two_buckets(max_seq_len, start=min(128, max_seq_len))
             self._graphs = GraphedFrameStep(self._runner, power_of_two_buckets(max_streams), kv_buckets)
@@ -235,6 +248,10 @@ class Engine:
             self._codec_graphs = GraphedCodecDecode(
                 self._codec, max_streams, power_of_two_buckets(max_streams), set(self.chunk_schedule) | {1, 2, 4, 8}
             )
+            if first_rows:
+                self._first_codec_graphs = GraphedCodecDecode(
+                    self._codec, 2 * max_streams, power_of_two_buckets(first_rows), {self.chunk_schedule[0]}
+                )
         self._thread = threading.Thread(target=self._loop, name="qwen3tts-engine", daemon=True)
         self._thread.start()
 
@@ -435,7 +452,7 @@ class Engine:
         while True:
             idle = not self._runnable() and not self._waiting_for_slot() and self._launched is None
             try:
-                if idle and self._decoding:
+                if idle and (self._decoding or self._first_decoding):
                     command = self._commands.get(timeout=0.001)
                 else:
                     command = self._commands.get(block=idle)
@@ -475,6 +492,7 @@ class Engine:
                 logger.exception("engine step failed; failing the streams in it")
                 self._launched = None
                 self._decoding.clear()
+                self._first_decoding.clear()
                 for request in list(self._running.values()) + self._finishing:
                     self._finish(request, "error", exc)
                 self._finishing.clear()
@@ -493,6 +511,9 @@ class Engine:
                 if self._codec_graphs is not None:
                     with self._codec_context():
                         self._codec_graphs.capture(progress=bool(payload))
+                if self._first_codec_graphs is not None:
+                    with self._codec_context(first_chunks=True):
+                        self._first_codec_graphs.capture(progress=bool(payload))
             except Exception as exc:  # noqa: BLE001 - the caller of warmup() gets it
                 target.set_exception(exc)
             else:
@@ -529,7 +550,7 @@ class Engine:
             self._running[slot] = request
             try:
                 self._runner.reset_slot(slot, asdict(request.sampling))
-                self._start_codec(slot, request.spec)
+                request.codec_ready = self._start_codec(slot, request.spec)
                 head = self._prompts.head(request.spec)
                 if head.shape[0] >= self._runner.max_seq_len:
                     raise InvalidRequestError(f"the instruction does not fit max_seq_len={self._runner.max_seq_len}")
@@ -537,31 +558,53 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 self._finish(request, "error", exc)
 
-    def _codec_context(self) -> contextlib.AbstractContextManager[object]:
-        """Every codec operation runs on the codec stream (when there is one), so they stay ordered."""
-        return torch.cuda.stream(self._codec_stream) if self._codec_stream is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _codec_context(self, first_chunks: bool = False) -> Iterator[None]:
+        """Codec work runs on the codec stream (when there is one), in order, or on the first-chunk lane.
 
-    def _start_codec(self, slot: int, spec: PromptSpec) -> None:
-        """Reset the slot's codec state; a cloned voice continues from its reference codes, decoded once."""
+        Work on the codec stream first waits for the lane's last decode, so a stream's later chunks and its
+        slot's next set-up follow its first chunk; the lane waits for each slot's set-up itself (`_decode`).
+        """
+        if self._codec_stream is None:
+            yield
+            return
+        if first_chunks:
+            assert self._first_stream is not None
+            stream = self._first_stream
+        else:
+            stream = self._codec_stream
+            if self._first_lane_done is not None:
+                stream.wait_event(self._first_lane_done)
+        with torch.cuda.stream(stream):
+            yield
+
+    def _start_codec(self, slot: int, spec: PromptSpec) -> torch.cuda.Event | None:
+        """Reset the slot's codec state; a cloned voice continues from its reference codes, decoded once.
+
+        Returns an event after the set-up when first chunks have their own lane (which must wait for it).
+        """
         with self._codec_context():
             clone = spec.clone
             if not spec.icl or clone is None:
                 self._codec.reset(slot)
-                return
-            state = self._codec_states.get(clone.voice_id)
-            if state is not None:
+            elif (state := self._codec_states.get(clone.voice_id)) is not None:
                 self._codec_states.move_to_end(clone.voice_id)
                 self._codec.restore(slot, state)
-                return
-            self._codec.reset(slot)
-            ref_codes = upload(clone.ref_codes, torch.int64, self.device)  # type: ignore[arg-type]
-            if self._codec_graphs is not None and self._codec_graphs.captured:
-                self._codec_graphs.prime(slot, ref_codes)
             else:
-                self._codec.prime(slot, ref_codes)
-            self._codec_states[clone.voice_id] = self._codec.snapshot(slot)
-            if len(self._codec_states) > CODEC_STATE_CACHE:
-                self._codec_states.popitem(last=False)
+                self._codec.reset(slot)
+                ref_codes = upload(clone.ref_codes, torch.int64, self.device)  # type: ignore[arg-type]
+                if self._codec_graphs is not None and self._codec_graphs.captured:
+                    self._codec_graphs.prime(slot, ref_codes)
+                else:
+                    self._codec.prime(slot, ref_codes)
+                self._codec_states[clone.voice_id] = self._codec.snapshot(slot)
+                if len(self._codec_states) > CODEC_STATE_CACHE:
+                    self._codec_states.popitem(last=False)
+            if self._first_stream is None:
+                return None
+            ready = torch.cuda.Event()
+            ready.record()
+            return ready
 
     def _advance_prompts(self) -> None:
         """Feed newly final text to running streams and prefill, in one batch, the prompt pieces now ready."""
@@ -695,19 +738,32 @@ class Engine:
                 r.finish_reason = "max_frames"  # the frame budget, or the KV cache, is used up
             if r.finish_reason or len(r.pending) >= r.next_chunk_frames():
                 due.setdefault(len(r.pending), []).append(r)
+        lane = self._first_codec_graphs
         for n_frames, group in sorted(due.items()):  # first chunks (1 frame) ahead of long ones
-            self._decode(group, n_frames)
+            first = [r for r in group if r.chunk_index == 0]
+            if first and lane is not None and lane.captured and lane.can_decode(len(first), n_frames):
+                self._decode(first, n_frames, first_lane=True)
+                group = [r for r in group if r.chunk_index != 0]
+            if group:
+                self._decode(group, n_frames)
         for r in launched.rows:
             if r.finish_reason and r.slot is not None:
                 self._release(r)
                 self._finishing.append(r)
 
-    def _decode(self, group: list[_Request], n_frames: int) -> None:
-        """Decode the due chunks of a group (same chunk length) in one batched call; read back asynchronously."""
+    def _decode(self, group: list[_Request], n_frames: int, first_lane: bool = False) -> None:
+        """Decode the due chunks of a group (same chunk length) in one batched call; read back asynchronously.
+
+        `first_lane`: the group holds first chunks only and goes to the first-chunk lane.
+        """
         slots = [r.slot for r in group]
-        with self._codec_context():
+        with self._codec_context(first_chunks=first_lane):
+            if first_lane:
+                for r in group:
+                    if r.codec_ready is not None:
+                        torch.cuda.current_stream().wait_event(r.codec_ready)
             codes = upload(np.stack([np.stack(r.pending) for r in group]), torch.int64, self.device)
-            graphs = self._codec_graphs
+            graphs = self._first_codec_graphs if first_lane else self._codec_graphs
             if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
                 pcm = graphs.decode(slots, codes)  # type: ignore[arg-type]
             else:
@@ -718,24 +774,33 @@ class Engine:
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
+            if first_lane:
+                self._first_lane_done = event
         chunks = []
         for r in group:
             chunks.append((r, r.pending_start, r.pending_start + n_frames, bool(r.finish_reason)))
             r.pending = []
             r.pending_start += n_frames
             r.chunk_index += 1
-        self._decoding.append(_Decoding(chunks, host, event))
+        (self._first_decoding if first_lane else self._decoding).append(_Decoding(chunks, host, event))
 
     def _deliver_decoded(self, wait: bool) -> None:
         """Hand finished decodes to their streams, oldest first; block on the oldest if `wait` or if it holds
-        a stream's first audio (nothing is worth more than that chunk's milliseconds)."""
-        while self._decoding:
-            decoding = self._decoding[0]
+        a stream's first audio (nothing is worth more than that chunk's milliseconds).
+
+        The first-chunk lane is emptied first, so every stream's first chunk reaches it before its second.
+        """
+        for pending in (self._first_decoding, self._decoding):
+            self._deliver_from(pending, wait)
+
+    def _deliver_from(self, pending: collections.deque[_Decoding], wait: bool) -> None:
+        while pending:
+            decoding = pending[0]
             if decoding.event is not None and not decoding.event.query():
                 if not (wait or any(start == 0 for _, start, _, _ in decoding.chunks)):
                     return
                 decoding.event.synchronize()
-            self._decoding.popleft()
+            pending.popleft()
             ready = time.perf_counter()
             pcm = decoding.pcm.numpy()
             for (r, start, end, is_last), audio in zip(decoding.chunks, pcm, strict=True):

@@ -1,28 +1,31 @@
 """Triton kernels for the single-token decode step of a `FusedDecoderLayer`: five launches per layer.
 
-A decode frame runs 28 talker layers and 75 predictor layer calls at batch 1..16 inside one CUDA graph, and
-the PyTorch path spends about 22 small kernels per layer, so the frame is bound by kernel count rather than
-by bytes. Here one layer is five kernels:
+A decode frame runs 28 talker layers and 75 predictor layer calls inside one CUDA graph, and the PyTorch
+path spends about 22 small kernels per layer, so the frame is bound by kernel count rather than by bytes.
+Here one layer is four products through one GEMV kernel (`gemv`) and one attention kernel:
 
-1. `_norm_linear_kernel`: RMSNorm(x) · W_qkvᵀ. The norm is folded into the GEMV: the K loop feeds x∘g to the
-   product and accumulates Σx² alongside, and the per-row 1/rms scales the result at the end.
+1. RMSNorm(x) · W_qkvᵀ. The norm is folded into the product: the K loop feeds x∘g to it and accumulates
+   Σx² alongside, and the per-row 1/rms scales the result at the end.
 2. `_attention_kernel`: per (row, kv head, key split): q_norm/k_norm, RoPE, the K/V cache write at
    `write_pos`, and single-query GQA attention with an online softmax in fp32: the query heads of one kv
    head, padded to 16 rows, meet each block of its keys and values in one `tl.dot`. Caches are split over
    keys (flash decoding) so that small batches still fill the GPU and each program's loop stays short; the
    last split to finish merges the partial softmaxes, so the merge costs no extra launch.
-3. `_linear_residual_kernel`: attn · W_oᵀ + x, split over K when there are too few output tiles to fill the
-   GPU; again the last split to arrive reduces the partial sums in a fixed order (deterministic, no atomics
-   on data).
-4. `_norm_linear_kernel` (gated): RMSNorm(x) · W_gate_upᵀ with matching gate and up rows in one program and
-   the SiLU(gate)·up epilogue.
-5. `_linear_residual_kernel`: act · W_downᵀ + x.
+3. attn · W_oᵀ + x.
+4. RMSNorm(x) · W_gate_upᵀ with matching gate and up rows in one program and the SiLU(gate)·up epilogue.
+5. act · W_downᵀ + x.
 
-The GEMVs stream row-major weights [N, K] in [16, BLOCK_K] tiles (K contiguous, so loads vectorise) through
-`tl.dot` against the rows padded to 16, accumulating in fp32. Grids and block sizes depend only on Python
-ints (batch, widths, read_len), nothing is autotuned, and nothing synchronises with the host, so the path is
-CUDA-graph capturable. Intermediate roundings to the model dtype follow the PyTorch path where that is cheap,
-so bf16 results stay close to it and fp32 results match it to ~1e-6.
+A decode GEMV moves megabytes of weights for a handful of rows, so its time is the latency of getting those
+bytes in flight: the kernel streams row-major weights [N, K] in [BLOCK_N, BLOCK_K] tiles (K contiguous, so
+loads vectorise) through `tl.dot` against the rows padded to 16..64, accumulating in fp32, and splits K
+until the grid fills the GPU; the last split of a tile to arrive reduces the partial sums in a fixed order
+(deterministic, no atomics on data). The tile shapes per product shape (`gemv_tiles`) come from a sweep on
+an H200 (`benchmarks/bench_kernels.py --sweep`).
+
+Grids and block sizes depend only on Python ints (batch, widths, read_len), nothing is autotuned at run
+time, and nothing synchronises with the host, so the path is CUDA-graph capturable. Intermediate roundings
+to the model dtype follow the PyTorch path where that is cheap, so bf16 results stay close to it and fp32
+results match it to ~1e-6.
 
 "Last to arrive" uses one arrival counter per output tile in a per-device int32 buffer that every launch
 leaves zeroed; it is allocated by the first (eager) call, so call `decode_layer` once before capturing a
@@ -34,8 +37,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -45,11 +50,9 @@ except ImportError:  # keeps the module importable on installs without triton; a
 
 from .layers import FusedDecoderLayer
 
-MAX_ROWS = 16  # the GEMVs pad the batch to one 16-row tile; larger batches keep the cuBLAS path
-BLOCK_N = 16  # output rows per GEMV program: small tiles, many programs (N = 1024 also splits over K)
-# K extent of a GEMV tile by element size: 16-bit tiles are 16 rows x 512 B = 8 KB per pipeline stage;
-# fp32 (exact FMA products, no tensor cores) spills registers beyond 64
-BLOCK_K_ELEMS = {2: 256, 4: 64}
+# Up to this many rows the products run as `gemv`; above it cuBLAS GEMMs tile the batch better, and the
+# layer keeps only the attention kernel (sweep and layer timings in benchmarks/results/2026-11-29-h200-c/)
+GEMV_MAX_ROWS = 64
 BLOCK_KEYS = 32  # keys per attention step
 KEYS_PER_PROGRAM = 128  # the attention loop is not software-pipelined: keep it short by splitting over keys
 MAX_KV_SPLITS = 16
@@ -97,78 +100,98 @@ def _arrived_last(counter_ptr, arrivals: tl.constexpr):
 
 
 @_jit
-def _norm_linear_kernel(
-    x_ptr, g_ptr, w_ptr, out_ptr, rows, eps, stride_x, stride_out,
-    N_OUT: tl.constexpr, K_DIM: tl.constexpr, GATED: tl.constexpr,
+def _gemv_epilogue(
+    acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out,
+    K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    """Scale by 1/rms (NORM), SiLU(gate)*up (GATED), add the residual (RESIDUAL), store [m, n] transposed.
+
+    Each rounding to the model dtype is one the PyTorch path makes when it stores an intermediate.
+    """
+    dt = out_ptr.dtype.element_ty
+    mask = n_ok[:, None] & m_ok[None, :]
+    if NORM:
+        rstd = tl.math.rsqrt(sumsq / K_DIM + eps)[None, :]
+        y = _round(acc * rstd, dt)
+        if GATED:
+            up = _round(acc_up * rstd, dt)
+            y = _round(_round(y / (1.0 + tl.exp(-y)), dt) * up, dt)
+    else:
+        y = _round(acc, dt)
+    if RESIDUAL:
+        y = y + tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m[None, :] * stride_out + n[:, None], y.to(dt), mask=mask)
+
+
+@_jit
+def _gemv_kernel(
+    x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
+    N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out = RMSNorm(x; g) · w[:N_OUT]ᵀ, or SiLU(that) * (RMSNorm(x; g) · w[N_OUT:]ᵀ) when GATED."""
+    """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
+
+    Program (tile, split) takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1
+    the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
+    (deterministic, no atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
+    Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
+    """
     dt = x_ptr.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    tile, split = tl.program_id(0), tl.program_id(1)
+    n = (tile // ROW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (tile % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N_OUT, m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K_DIM, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    for i in range(SPLIT_BLOCKS):
+        k = (split * SPLIT_BLOCKS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = k < K_DIM
         x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
-        sumsq += tl.sum(x * x, axis=1)
-        g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        xt = tl.trans((x * g[None, :]).to(dt))
+        if NORM:
+            xf = x.to(tl.float32)
+            if SPLITS == 1:
+                sumsq += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+        xt = tl.trans(x)
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
         acc = _dot(w, xt, acc, DOT_F32, PRECISION)
         if GATED:
             w_up = tl.load(w_ptr + (n + N_OUT)[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
             acc_up = _dot(w_up, xt, acc_up, DOT_F32, PRECISION)
-    rstd = tl.math.rsqrt(sumsq / K_DIM + eps)[None, :]
-    y = _round(acc * rstd, dt)
-    if GATED:
-        up = _round(acc_up * rstd, dt)
-        y = _round(_round(y / (1.0 + tl.exp(-y)), dt) * up, dt)
-    tl.store(out_ptr + m[None, :] * stride_out + n[:, None], y.to(dt), mask=n_ok[:, None] & m_ok[None, :])
-
-
-@_jit
-def _store_residual(acc, res_ptr, out_ptr, n, m, n_ok, m_ok, stride_res, stride_out):
-    """out[m, n] = round(acc[n, m]) + res[m, n], rounded: the PyTorch path's `x + linear(...)`."""
-    dt = out_ptr.dtype.element_ty
-    mask = n_ok[:, None] & m_ok[None, :]
-    res = tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m[None, :] * stride_out + n[:, None], (_round(acc, dt) + res).to(dt), mask=mask)
-
-
-@_jit
-def _linear_residual_kernel(
-    a_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, stride_a, stride_res, stride_out,
-    N_OUT: tl.constexpr, K_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """out = a · wᵀ + res, K split SPLITS ways (SPLIT_BLOCKS blocks each); a tile's last split sums them in order."""
-    tile, split = tl.program_id(0), tl.program_id(1)
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    n_ok, m_ok = n < N_OUT, m < rows
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for i in range(SPLIT_BLOCKS):
-        k = (split * SPLIT_BLOCKS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = k < K_DIM
-        w = tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_ptr + m[:, None] * stride_a + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _dot(w, tl.trans(a), acc, DOT_F32, PRECISION)
     if SPLITS == 1:
-        _store_residual(acc, res_ptr, out_ptr, n, m, n_ok, m_ok, stride_res, stride_out)
+        _gemv_epilogue(
+            acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL
+        )
     else:
-        part = part_ptr + n[:, None] * BLOCK_M + m[None, :]  # partials [SPLITS, n_out, BLOCK_M] fp32
-        tl.store(part + split * N_OUT * BLOCK_M, acc, mask=n_ok[:, None])
+        # partials [SPLITS, 1 + GATED, N_OUT, ROW_TILES * BLOCK_M] in fp32
+        rows_pad: tl.constexpr = ROW_TILES * BLOCK_M
+        part = part_ptr + n[:, None] * rows_pad + m[None, :]
+        stride_split: tl.constexpr = (1 + GATED) * N_OUT * rows_pad
+        tl.store(part + split * stride_split, acc, mask=n_ok[:, None])
+        if GATED:
+            tl.store(part + split * stride_split + N_OUT * rows_pad, acc_up, mask=n_ok[:, None])
         if _arrived_last(count_ptr + tile, SPLITS):
-            total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for s in tl.static_range(SPLITS):
-                total += tl.load(part + s * N_OUT * BLOCK_M, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
-            _store_residual(total, res_ptr, out_ptr, n, m, n_ok, m_ok, stride_res, stride_out)
+                acc += tl.load(part + s * stride_split, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(
+                        part + s * stride_split + N_OUT * rows_pad, mask=n_ok[:, None], other=0.0, cache_modifier=".cg"
+                    )
+            if NORM:
+                for k0 in range(0, K_DIM, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
+                    xs = xs.to(tl.float32)
+                    sumsq += tl.sum(xs * xs, axis=1)
+            _gemv_epilogue(
+                acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED,
+                RESIDUAL,
+            )
             tl.store(count_ptr + tile, 0)  # ready for the next launch
 
 
@@ -305,20 +328,115 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _gemv_opts(x: torch.Tensor, k_dim: int) -> dict[str, object]:
-    """Shared GEMV constexprs: K tiles of whole 16-byte vectors, exact fp32 products for fp32 models."""
-    block_k = max(16, min(BLOCK_K_ELEMS[x.element_size()], triton.next_power_of_2(k_dim)))
+@dataclass(frozen=True)
+class GemvTiles:
+    """How one GEMV is cut: outputs and K per program, and how far K is split to fill the GPU."""
+
+    block_n: int = 32
+    block_k: int = 256  # 16-bit elements; fp32 tiles are capped at FP32_BLOCK_K
+    programs_per_sm: int = 8  # K is split until the grid has about this many programs per SM
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+FP32_BLOCK_K = 64  # exact fp32 FMA products (no tensor cores) spill registers beyond this
+MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles
+DEFAULT_TILES = GemvTiles()
+
+
+# Tiles per (flavour, n_out, k_dim, rows bucket) for the products of Qwen3-TTS frames, the fastest found by
+# `benchmarks/sweep_gemv.py` on an H200 (see benchmarks/results/); other shapes use DEFAULT_TILES.
+GEMV_TILES: dict[tuple[str, int, int, int], GemvTiles] = {
+    # 0.6B talker and the code predictor (hidden 1024, FFN 3072); the predictor's heads
+    ("norm", 4096, 1024, 1): GemvTiles(32, 256, 8),
+    ("norm", 4096, 1024, 16): GemvTiles(64, 256, 16, num_warps=8),
+    ("norm", 4096, 1024, 64): GemvTiles(64, 256, 1),
+    ("gated", 3072, 1024, 1): GemvTiles(32, 256, 8),
+    ("gated", 3072, 1024, 16): GemvTiles(64, 256, 4, num_warps=8),
+    ("gated", 3072, 1024, 64): GemvTiles(32, 128, 1),
+    ("residual", 1024, 2048, 1): GemvTiles(32, 256, 8),
+    ("residual", 1024, 2048, 16): GemvTiles(32, 512, 8),
+    ("residual", 1024, 2048, 64): GemvTiles(32, 256, 1),
+    ("residual", 1024, 3072, 1): GemvTiles(32, 256, 16),
+    ("residual", 1024, 3072, 16): GemvTiles(32, 256, 4),
+    ("residual", 1024, 3072, 64): GemvTiles(32, 256, 1),
+    ("norm", 2048, 1024, 1): GemvTiles(64, 256, 16),
+    ("norm", 2048, 1024, 16): GemvTiles(64, 256, 2, num_warps=8),
+    ("norm", 2048, 1024, 64): GemvTiles(64, 256, 8, num_warps=8),
+    # 1.7B talker (hidden 2048, FFN 6144)
+    ("norm", 4096, 2048, 1): GemvTiles(32, 256, 4),
+    ("norm", 4096, 2048, 16): GemvTiles(64, 512, 4, num_warps=8),
+    ("norm", 4096, 2048, 64): GemvTiles(32, 256, 1),
+    ("gated", 6144, 2048, 1): GemvTiles(32, 128, 2),
+    ("gated", 6144, 2048, 16): GemvTiles(32, 128, 2),
+    ("gated", 6144, 2048, 64): GemvTiles(32, 64, 2),
+    ("residual", 2048, 2048, 1): GemvTiles(32, 256, 16),
+    ("residual", 2048, 2048, 16): GemvTiles(32, 256, 2),
+    ("residual", 2048, 2048, 64): GemvTiles(64, 256, 1),
+    ("residual", 2048, 6144, 1): GemvTiles(64, 128, 2),
+    ("residual", 2048, 6144, 16): GemvTiles(64, 128, 2),
+    ("residual", 2048, 6144, 64): GemvTiles(64, 128, 2),
+}
+
+
+def gemv_tiles(flavour: str, n_out: int, k_dim: int, rows: int) -> GemvTiles:
+    """The tiles for one product; flavour is "norm", "gated", "residual" or "plain"."""
+    bucket = 1 if rows <= 4 else 16 if rows <= 16 else 64
+    return GEMV_TILES.get((flavour, n_out, k_dim, bucket), DEFAULT_TILES)
+
+
+def _gemv_grid(n_out: int, k_dim: int, rows: int, dtype: torch.dtype, tiles: GemvTiles, device: torch.device) -> dict[str, int]:
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    block_k = tiles.block_k if dtype != torch.float32 else min(tiles.block_k, FP32_BLOCK_K)
+    block_k = max(16, min(block_k, triton.next_power_of_2(k_dim)))
+    programs = _cdiv(n_out, tiles.block_n) * _cdiv(rows, block_m)
+    k_blocks = _cdiv(k_dim, block_k)
+    want = min(max(1, _cdiv(tiles.programs_per_sm * _sm_count(device), programs)), k_blocks)
+    per_split = _cdiv(k_blocks, want)
     return {
-        "BLOCK_M": MAX_ROWS, "BLOCK_N": BLOCK_N, "BLOCK_K": block_k, "DOT_F32": _interpreting(),
-        "PRECISION": _precision(x.dtype), "num_warps": 4, "num_stages": 3,
+        "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": block_k, "ROW_TILES": _cdiv(rows, block_m),
+        "SPLITS": _cdiv(k_blocks, per_split), "SPLIT_BLOCKS": per_split,
     }
 
 
-def _k_splits(n_out: int, k_dim: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """(splits, K blocks per split): enough programs for about two per SM."""
-    k_blocks = _cdiv(k_dim, block_k)
-    per_split = _cdiv(k_blocks, min(_cdiv(2 * _sm_count(device), _cdiv(n_out, BLOCK_N)), k_blocks))
-    return _cdiv(k_blocks, per_split), per_split
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+) -> None:
+    """out = x · wᵀ for a few rows x [rows, K] (row stride free), with optional fusions:
+
+    `norm` (gains [K]): RMSNorm(x) first; `gated`: w holds [gate; up] and out = SiLU(gate)·up (needs `norm`);
+    `residual` [rows, N]: out = residual + product. out [rows, N] must be a distinct buffer.
+    """
+    rows, k_dim = x.shape
+    n_out = out.shape[1]
+    if gated and norm is None:
+        raise ValueError("the gated product is only fused behind a norm")
+    if w.shape != ((2 if gated else 1) * n_out, k_dim) or not w.is_contiguous() or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"bad shapes or layouts: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
+    flavour = "gated" if gated else "norm" if norm is not None else "residual" if residual is not None else "plain"
+    tiles = tiles or gemv_tiles(flavour, n_out, k_dim, rows)
+    grid = _gemv_grid(n_out, k_dim, rows, x.dtype, tiles, x.device)
+    programs = _cdiv(n_out, grid["BLOCK_N"]) * grid["ROW_TILES"]
+    splits = grid["SPLITS"]
+    partials = None
+    if splits > 1:
+        rows_pad = grid["ROW_TILES"] * grid["BLOCK_M"]
+        partials = torch.empty(splits, 2 if gated else 1, n_out, rows_pad, device=x.device, dtype=torch.float32)
+    _gemv_kernel[(programs, splits)](
+        x, norm if norm is not None else x, w, residual if residual is not None else out, out, partials if partials is not None else out,
+        _counters(x.device), rows, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
+        DOT_F32=_interpreting(), PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **grid,
+    )
 
 
 def _kv_splits(programs: int, read_len: int, device: torch.device) -> tuple[int, int]:
@@ -335,25 +453,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         raise ValueError("the last dimension must be contiguous")
     return rows
-
-
-def _norm_linear(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, out: torch.Tensor, eps: float, gated: bool) -> None:
-    n_out, k_dim = out.shape[1], x.shape[1]
-    _norm_linear_kernel[(_cdiv(n_out, BLOCK_N),)](
-        x, g, w, out, x.shape[0], eps, x.stride(0), out.stride(0),
-        N_OUT=n_out, K_DIM=k_dim, GATED=gated, **_gemv_opts(x, k_dim),
-    )
-
-
-def _linear_residual(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, out: torch.Tensor) -> None:
-    n_out, k_dim = w.shape
-    opts = _gemv_opts(a, k_dim)
-    splits, split_blocks = _k_splits(n_out, k_dim, opts["BLOCK_K"], a.device)
-    partials = torch.empty(splits, n_out, MAX_ROWS, device=a.device, dtype=torch.float32)
-    _linear_residual_kernel[(_cdiv(n_out, BLOCK_N), splits)](
-        a, w, res, out, partials, _counters(a.device), a.shape[0], a.stride(0), res.stride(0), out.stride(0),
-        N_OUT=n_out, K_DIM=k_dim, SPLITS=splits, SPLIT_BLOCKS=split_blocks, **opts,
-    )
 
 
 def decode_layer(
@@ -376,8 +475,8 @@ def decode_layer(
     host); returns a new [b, 1, hidden] tensor and writes the caches in place.
     """
     b, t, hidden = x.shape
-    if t != 1 or not 1 <= b <= MAX_ROWS:
-        raise ValueError(f"decode_layer handles one token for 1..{MAX_ROWS} rows, got x of shape {tuple(x.shape)}")
+    if t != 1:
+        raise ValueError(f"decode_layer handles one token per row, got x of shape {tuple(x.shape)}")
     d = layer.head_dim
     kv_heads, n_q = layer.kv_size // d, layer.q_size // d
     if d & (d - 1) or n_q % kv_heads or cache_k.stride() != cache_v.stride() or cache_k.stride(-1) != 1:
@@ -391,8 +490,12 @@ def decode_layer(
     x2 = _rows(x)
     counters = _counters(dev)
 
-    qkv = torch.empty(b, layer.w_qkv.shape[0], device=dev, dtype=dt)
-    _norm_linear(x2, layer.in_norm, layer.w_qkv, qkv, layer.eps, gated=False)
+    gemv_rows = b <= GEMV_MAX_ROWS
+    if gemv_rows:
+        qkv = torch.empty(b, layer.w_qkv.shape[0], device=dev, dtype=dt)
+        gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps)
+    else:
+        qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
 
     group = n_q // kv_heads
     splits, per_split = _kv_splits(b * kv_heads, read_len, dev)
@@ -411,10 +514,14 @@ def decode_layer(
         num_warps=8 if dt == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
     )
 
+    if not gemv_rows:
+        x1 = x2 + F.linear(attn, layer.w_o)
+        gate, up = F.linear(F.rms_norm(x1, (hidden,), layer.post_norm, layer.eps), layer.w_gate_up).chunk(2, dim=-1)
+        return (x1 + F.linear(F.silu(gate) * up, layer.w_down)).unsqueeze(1)
     x1 = torch.empty(b, hidden, device=dev, dtype=dt)
-    _linear_residual(attn, layer.w_o, x2, x1)
+    gemv(attn, layer.w_o, x1, residual=x2)
     act = torch.empty(b, layer.ffn, device=dev, dtype=dt)
-    _norm_linear(x1, layer.post_norm, layer.w_gate_up, act, layer.eps, gated=True)
+    gemv(x1, layer.w_gate_up, act, norm=layer.post_norm, eps=layer.eps, gated=True)
     out = torch.empty(b, 1, hidden, device=dev, dtype=dt)
-    _linear_residual(act, layer.w_down, x1, out[:, 0])
+    gemv(act, layer.w_down, out[:, 0], residual=x1)
     return out

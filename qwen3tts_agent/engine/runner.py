@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import kernels, sampling_kernel
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
@@ -52,8 +52,8 @@ class ModelRunner:
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         fused_kernels: bool = True,
     ) -> None:
-        """`fused_kernels`: single-token layers of batches up to `kernels.MAX_ROWS` run as the Triton kernels
-        of `kernels.py` where Triton can run (a GPU); elsewhere, and for longer inputs, the PyTorch path."""
+        """`fused_kernels`: where Triton can run (a GPU), single-token layers run as the kernels of `kernels.py`
+        and every sampling as one kernel of `sampling_kernel.py`; elsewhere, and for longer inputs, PyTorch."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -124,7 +124,6 @@ class ModelRunner:
         self.active = torch.zeros(max_slots, device=dev, dtype=torch.bool)
         self.frame_codes = torch.zeros(max_slots, self.num_groups, **long)
         self.frame_embeds = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
-        self.gumbel = torch.zeros(max_slots, self.num_groups, self.vocab_size, device=dev)  # this frame's noise
         self.finished = torch.zeros(max_slots, device=dev, dtype=torch.bool)
 
         # tokens 2048..3071 are control codes, never audio; only EOS among them may be sampled
@@ -187,7 +186,7 @@ class ModelRunner:
         return self.norm(x)
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
-        return self.fused_kernels and x.shape[1] == 1 and x.shape[0] <= kernels.MAX_ROWS
+        return self.fused_kernels and x.shape[1] == 1
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
         t = x.shape[1]
@@ -202,18 +201,57 @@ class ModelRunner:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, pos, start + t, masked=False)
             else:
                 x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
-        return self.p_norm(x[:, -1])
+        return x[:, -1]
 
-    def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor, gumbel: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
-        """Talker sampling for the given slots: the official processors, then warp and draw."""
-        scores = apply_repetition_penalty(logits.float(), self.seen[rows], self.repetition_penalty[rows])
+    def _predictor_logits(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """Head j on the final norm of the predictor's last hidden state x [b, hidden] (one kernel when fused)."""
+        if not self._use_kernels(x.unsqueeze(1)) or x.shape[0] > kernels.GEMV_MAX_ROWS:
+            return self.p_heads[j](self.p_norm(x))
+        head = self.p_heads[j].weight
+        logits = torch.empty(x.shape[0], head.shape[0], device=x.device, dtype=x.dtype)
+        kernels.gemv(x, head, logits, norm=self.p_norm.weight, eps=self.p_norm.variance_epsilon)
+        return logits
+
+    def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor | slice, any_sampling: bool = True) -> torch.Tensor:
+        """Talker sampling for the given slots: the official processors, then warp and draw.
+
+        The draw counter of a slot's next codebook-0 token is n_sampled * num_groups (see `predict_codes`).
+        """
         eos_blocked = (self.n_sampled[rows] < 2) | self.forbid_eos[rows]
-        scores = scores.masked_fill(self.suppress, float("-inf"))
-        scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
         params = SamplerRows(
             do_sample=self.do_sample[rows], temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows]
         )
+        counter = self.n_sampled[rows] * self.num_groups
+        if self.fused_kernels:
+            out = torch.empty(logits.shape[0], device=self.device, dtype=torch.int64)
+            sampling_kernel.fused_sample(
+                logits, params.do_sample, params.temperature, params.top_k, params.top_p, self.seed[rows], counter,
+                self.top_k_cap, out, seen=self.seen[rows], penalty=self.repetition_penalty[rows], suppress=self.suppress,
+                eos_id=self.eos_id, eos_blocked=eos_blocked,
+            )
+            return out
+        scores = apply_repetition_penalty(logits.float(), self.seen[rows], self.repetition_penalty[rows])
+        scores = scores.masked_fill(self.suppress, float("-inf"))
+        scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
+        gumbel = gumbel_noise(self.seed[rows], counter.unsqueeze(1), self.vocab_size)[:, 0]
         return sample(scores, params, gumbel, self.top_k_cap, any_sampling)
+
+    def _sample_code(self, logits: torch.Tensor, b: int, counter: torch.Tensor, sampling: bool) -> torch.Tensor:
+        """Predictor sampling for slots [0, b) with per-row draw counters [b]."""
+        rows = slice(0, b)
+        params = SamplerRows(
+            do_sample=self.sub_do_sample[rows], temperature=self.sub_temperature[rows], top_k=self.sub_top_k[rows],
+            top_p=self.sub_top_p[rows],
+        )
+        if self.fused_kernels:
+            out = torch.empty(b, device=self.device, dtype=torch.int64)
+            sampling_kernel.fused_sample(
+                logits, params.do_sample, params.temperature, params.top_k, params.top_p, self.seed[rows], counter,
+                self.top_k_cap, out,
+            )
+            return out
+        gumbel = gumbel_noise(self.seed[rows], counter.unsqueeze(1), logits.shape[-1])[:, 0]
+        return sample(logits, params, gumbel, self.top_k_cap, sampling)
 
     def _after_code0(self, rows: torch.Tensor, code0: torch.Tensor, hidden: torch.Tensor, act: torch.Tensor) -> None:
         """Record a sampled codebook-0 token for `rows` where `act` is set."""
@@ -276,8 +314,7 @@ class ModelRunner:
             return
         act = upload([r.sample for r in rows], torch.bool, self.device)
         hidden = last_hidden[:n]
-        gumbel = gumbel_noise(self.seed[slots], self.n_sampled[slots].unsqueeze(1) * self.num_groups, self.vocab_size)
-        code0 = self._sample_code0(self.codec_head(hidden), slots, gumbel[:, 0])
+        code0 = self._sample_code0(self.codec_head(hidden), slots)
         self._after_code0(slots, code0, hidden, act)
 
     @torch.inference_mode()
@@ -294,20 +331,16 @@ class ModelRunner:
     def predict_codes(self, b: int, sampling: bool = True) -> None:
         """The 15-step code predictor: fills `frame_codes` and `frame_embeds` (sum of the 16 code embeddings)."""
         code0 = self.code0[:b]
-        sub = SamplerRows(
-            do_sample=self.sub_do_sample[:b], temperature=self.sub_temperature[:b], top_k=self.sub_top_k[:b],
-            top_p=self.sub_top_p[:b],
-        )
-        # one draw counter per code: predictor codes 1..15 of this frame, then the talker's next codebook-0
+        # one draw counter per code: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then
+        # one more for each of this frame's predictor codes 1..15; the talker's next draw follows them
         base = (self.n_sampled[:b] - 1) * self.num_groups
-        counters = base.unsqueeze(1) + 1 + torch.arange(self.num_groups, device=self.device)
-        self.gumbel[:b] = gumbel_noise(self.seed[:b], counters, self.vocab_size)
+        counters = base + 1 + torch.arange(self.num_groups - 1, device=self.device).unsqueeze(1)  # [15, b]
         embeds = [self.codec_embedding(code0)]
         codes = [code0]
         x = torch.stack([self.past_hidden[:b], embeds[0]], dim=1)
         for j in range(self.num_groups - 1):
             hidden = self._predictor_forward(x, b, start=0 if j == 0 else j + 1)
-            code = sample(self.p_heads[j](hidden), sub, self.gumbel[:b, j], self.top_k_cap, sampling)
+            code = self._sample_code(self._predictor_logits(hidden, j), b, counters[j], sampling)
             codes.append(code)
             embeds.append(self.p_embeddings[j](code))
             x = embeds[-1].unsqueeze(1)
@@ -326,7 +359,7 @@ class ModelRunner:
         write_pos = torch.where(act, self.pos[:b], torch.full_like(step, self.max_seq_len)).unsqueeze(1)
         mask = (torch.arange(kv_len, device=self.device).unsqueeze(0) <= write_pos).view(b, 1, 1, kv_len)
         hidden = self._talker_forward(x.unsqueeze(1), rows.unsqueeze(1), write_pos, slice(0, b), kv_len, mask)[:, 0]
-        new_code0 = self._sample_code0(self.codec_head(hidden), rows, self.gumbel[:b, self.num_groups - 1], sampling)
+        new_code0 = self._sample_code0(self.codec_head(hidden), slice(0, b), sampling)
         self._after_code0(rows, new_code0, hidden, act)
         self.pos[:b] += act.long()
         self.step_idx[:b] += act.long()
