@@ -742,8 +742,8 @@ class Engine:
         for n_frames, group in sorted(due.items()):  # first chunks (1 frame) ahead of long ones
             first = [r for r in group if r.chunk_index == 0]
             if first and lane is not None and lane.captured and lane.can_decode(len(first), n_frames):
-                self._decode(first, n_frames, first_lane=True)
                 group = [r for r in group if r.chunk_index != 0]
+                self._decode(first, n_frames, first_lane=True)
             if group:
                 self._decode(group, n_frames)
         for r in launched.rows:
