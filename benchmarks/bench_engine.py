@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
+from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
 
 BENCH_TEXT = (
@@ -98,14 +98,25 @@ def summarize(timings: list[StreamTiming], wall: float) -> dict[str, float]:
     }
 
 
-async def concurrency(engine: Engine, voice: Voice, n: int, frames: int) -> dict[str, float]:
+async def concurrency(engine: Engine, voice: Voice, n: int, frames: int) -> dict[str, object]:
+    before = engine.stats()
     started = time.perf_counter()
     timings = await asyncio.gather(*(run_stream(engine, voice, frames, seed=i) for i in range(n)))
-    return summarize(list(timings), time.perf_counter() - started)
+    return {**summarize(list(timings), time.perf_counter() - started), "engine_loop": loop_profile(before, engine.stats())}
 
 
-async def poisson(engine: Engine, voice: Voice, rate: float, window_s: float, frames: int, seed: int = 0) -> dict[str, float]:
+def loop_profile(before: EngineStats, after: EngineStats) -> dict[str, float]:
+    """The engine loop between two stats: steps, mean batch, and ms per step in each part of the loop."""
+    steps = max(1, after.steps - before.steps)
+    profile = {"steps": after.steps - before.steps, "mean_batch": (after.frames_generated - before.frames_generated) / steps}
+    for phase, seconds in after.loop_seconds.items():
+        profile[f"{phase}_ms_per_step"] = 1000 * (seconds - before.loop_seconds[phase]) / steps
+    return profile
+
+
+async def poisson(engine: Engine, voice: Voice, rate: float, window_s: float, frames: int, seed: int = 0) -> dict[str, object]:
     rng = random.Random(seed)
+    before = engine.stats()
     tasks = []
     started = time.perf_counter()
     t = 0.0
@@ -118,8 +129,8 @@ async def poisson(engine: Engine, voice: Voice, rate: float, window_s: float, fr
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(run_stream(engine, voice, frames, seed=len(tasks))))
     timings = await asyncio.gather(*tasks)
-    result = summarize(list(timings), time.perf_counter() - started)
-    result["rate_per_s"] = rate
+    result: dict[str, object] = {**summarize(list(timings), time.perf_counter() - started), "rate_per_s": rate}
+    result["engine_loop"] = loop_profile(before, engine.stats())
     return result
 
 
@@ -265,39 +276,40 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     }
     reference = demo_reference()
 
-    # --- single stream, on an engine with one slot (its memory is what one stream costs)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
-                    fused_kernels=args.fused_kernels)
-    engine.warmup(progress=False)
-    voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
-    singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
-    steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
-    report["single_stream"] = {
-        **summarize(singles, sum(t.end - t.submitted for t in singles)),
-        # where the first audio's time goes (medians, ms): submit -> prompt prefilled -> first frame's codes on
-        # the host -> its PCM decoded -> the consumer holds it
-        "first_audio_stages_ms": dict(zip(
-            ("admission_and_prefill", "first_frame", "codec_decode", "delivery"),
-            (pct([t.stages_ms[i] for t in singles], 50) for i in range(4)), strict=True)),
-        "loop_ms_per_frame_p50": pct(steady_ms, 50),
-        "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-    }
-    log(f"single stream: {report['single_stream']}")
-    if cuda:
-        report["fused_kernels"] = engine._runner.fused_kernels
-        report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
-        fused = engine._runner.fused_kernels
-        report["kernel_breakdown_b1"] = {}
-        for kernels_on in (True, False) if fused else (False,):
-            engine._runner.fused_kernels = kernels_on
-            name = "triton_layers" if kernels_on else "torch_layers"
-            report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
-            log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
-        engine._runner.fused_kernels = fused
-    engine.close()
-    del engine
+    if not args.load_only:
+        # --- single stream, on an engine with one slot (its memory is what one stream costs)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
+                        fused_kernels=args.fused_kernels)
+        engine.warmup(progress=False)
+        voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
+        singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
+        steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
+        report["single_stream"] = {
+            **summarize(singles, sum(t.end - t.submitted for t in singles)),
+            # where the first audio's time goes (medians, ms): submit -> prompt prefilled -> first frame's codes on
+            # the host -> its PCM decoded -> the consumer holds it
+            "first_audio_stages_ms": dict(zip(
+                ("admission_and_prefill", "first_frame", "codec_decode", "delivery"),
+                (pct([t.stages_ms[i] for t in singles], 50) for i in range(4)), strict=True)),
+            "loop_ms_per_frame_p50": pct(steady_ms, 50),
+            "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        }
+        log(f"single stream: {report['single_stream']}")
+        if cuda:
+            report["fused_kernels"] = engine._runner.fused_kernels
+            report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
+            fused = engine._runner.fused_kernels
+            report["kernel_breakdown_b1"] = {}
+            for kernels_on in (True, False) if fused else (False,):
+                engine._runner.fused_kernels = kernels_on
+                name = "triton_layers" if kernels_on else "torch_layers"
+                report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
+                log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
+            engine._runner.fused_kernels = fused
+        engine.close()
+        del engine
 
     if args.single_only:
         return report
@@ -347,12 +359,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--max-streams", type=int, default=256)
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[4, 8, 16, 24, 32])
     parser.add_argument("--window", type=float, default=8.0, help="Poisson arrival window, seconds")
     parser.add_argument("--cancel-trials", type=int, default=10)
     parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
     parser.add_argument("--single-only", action="store_true")
+    parser.add_argument("--load-only", action="store_true", help="skip the single-stream part")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
                         help="decode audio on the frame steps' CUDA stream")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",

@@ -75,6 +75,14 @@ class EngineStats:
     streams_started: int
     cancels: int
     errors: int
+    steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
+    # cumulative seconds the engine thread spent per part of its loop (LOOP_PHASES): where a step's time goes
+    loop_seconds: dict[str, float] = field(default_factory=dict)
+
+
+# The engine loop's parts. "gpu_wait" (reading a step's results) is inside "collect" and "codec_wait"
+# (reading decoded audio) inside "deliver"; "collect" also starts the due decodes.
+LOOP_PHASES = ("admit_and_prefill", "launch", "collect", "gpu_wait", "deliver", "codec_wait")
 
 
 @dataclass
@@ -213,7 +221,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._open_count = 0  # streams opened and not finished (admission control)
-        self._stats = dict(frames_generated=0, streams_started=0, cancels=0, errors=0)
+        self._stats = dict(frames_generated=0, streams_started=0, cancels=0, errors=0, steps=0)
+        self._loop_seconds = dict.fromkeys(LOOP_PHASES, 0.0)
         self._closed = False
         self._launched: _Launched | None = None
         self._decoding: collections.deque[_Decoding] = collections.deque()
@@ -413,6 +422,7 @@ class Engine:
             active_streams=running,
             queued_streams=max(0, open_count - running),
             max_streams=self.max_streams,
+            loop_seconds=dict(self._loop_seconds),
             **self._stats,
         )
 
@@ -468,8 +478,10 @@ class Engine:
                 except queue.Empty:
                     command = None
             try:
+                started = time.perf_counter()
                 self._admit()
                 self._advance_prompts()
+                started = self._timed("admit_and_prefill", started)
                 previous, self._launched = self._launched, None
                 # Normally the next step is queued before reading the previous one, so the GPU never idles.
                 # When the codec shares the steps' stream, a stream still waiting for its first audio gets its
@@ -479,15 +491,20 @@ class Engine:
                 )
                 if urgent:
                     self._collect(previous)
+                    started = self._timed("collect", started)
                     self._deliver_decoded(wait=True)
+                    started = self._timed("deliver", started)
                 if self._runnable():
                     self._launched = self._launch_step()
+                    started = self._timed("launch", started)
                 if previous is not None and not urgent:
                     self._collect(previous)
                 if self._launched is not None and not self._pipelined:
                     self._collect(self._launched)
                     self._launched = None
+                started = self._timed("collect", started)
                 self._deliver_decoded(wait=self._launched is None and not self._runnable())
+                self._timed("deliver", started)
             except Exception as exc:  # noqa: BLE001 - the engine must outlive any one bad step
                 logger.exception("engine step failed; failing the streams in it")
                 self._launched = None
@@ -496,6 +513,17 @@ class Engine:
                 for request in list(self._running.values()) + self._finishing:
                     self._finish(request, "error", exc)
                 self._finishing.clear()
+
+    def _timed(self, phase: str, since: float) -> float:
+        """Add the time since `since` to a loop phase; returns now."""
+        now = time.perf_counter()
+        self._loop_seconds[phase] += now - since
+        return now
+
+    def _wait(self, event: torch.cuda.Event, phase: str) -> None:
+        started = time.perf_counter()
+        event.synchronize()
+        self._timed(phase, started)
 
     def _waiting_for_slot(self) -> bool:
         return bool(self._waiting) and bool(self._free_slots)
@@ -708,12 +736,13 @@ class Engine:
         for r in rows:
             r.position += 1
             r.frames_launched += 1
+        self._stats["steps"] += 1
         return _Launched(rows, host, event)
 
     def _collect(self, launched: _Launched) -> None:
         """Read a finished step's codes and EOS flags, and start decoding the chunks that are due."""
         if launched.event is not None:
-            launched.event.synchronize()
+            self._wait(launched.event, "gpu_wait")
         codes = launched.host.codes.numpy()
         finished = launched.host.finished.numpy()
         now = time.perf_counter()
@@ -799,7 +828,7 @@ class Engine:
             if decoding.event is not None and not decoding.event.query():
                 if not (wait or any(start == 0 for _, start, _, _ in decoding.chunks)):
                     return
-                decoding.event.synchronize()
+                self._wait(decoding.event, "codec_wait")
             pending.popleft()
             ready = time.perf_counter()
             pcm = decoding.pcm.numpy()
