@@ -273,6 +273,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "frames_per_stream": args.frames, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
+        "switch_interval_ms": 1000 * sys.getswitchinterval(),
     }
     reference = demo_reference()
 
@@ -366,6 +367,9 @@ def main() -> None:
     parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
     parser.add_argument("--single-only", action="store_true")
     parser.add_argument("--load-only", action="store_true", help="skip the single-stream part")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="sys.setswitchinterval for this process (Python's default is 5 ms): how long the engine "
+                             "thread can wait for the GIL while the asyncio consumers hold it")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
                         help="decode audio on the frame steps' CUDA stream")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
@@ -374,6 +378,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.smoke:
         args.frames, args.runs, args.max_streams = 30, 2, 8
         args.concurrency, args.rates, args.cancel_trials, args.cancel_background = [8], [], 2, [2]
