@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qwen3tts_agent.engine.codec import StreamingCodecDecoder
+from qwen3tts_agent.engine.cuda_graphs import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
 TOLERANCE = 1e-5
@@ -138,6 +139,12 @@ def test_streams_at_different_points_share_a_batch(decoder, codes, reference):
     tail = _stream(codec, [0, 2], both, _schedule(70, [7, 3]))
     assert _max_error(torch.cat([head[0], tail[0]]), reference[0, : 100 * SPF]) < TOLERANCE
     assert _max_error(tail[1], reference[1, : 70 * SPF]) < TOLERANCE
+
+
+@pytest.mark.parametrize(("frames", "sizes", "pieces"), [(5, (1, 2, 4, 8), [4, 1]), (16, (1, 8), [8, 8]), (8, (8,), [8]), (7, (2, 8), [])])
+def test_split_frames_cuts_chunks_into_graphed_sizes(frames, sizes, pieces):
+    """A last chunk of any length decodes as graphed pieces (the decode above is the same however it is cut)."""
+    assert split_frames(frames, sizes) == pieces
 
 
 def test_reset_starts_a_fresh_stream(decoder, codes, reference):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -34,6 +34,16 @@ def power_of_two_buckets(limit: int, start: int = 1) -> list[int]:
         n *= 2
     buckets.append(limit)
     return buckets
+
+
+def split_frames(t: int, sizes: Sequence[int]) -> list[int]:
+    """Cut t frames into pieces of the given sizes, largest first; [] when that greedy cut leaves a remainder."""
+    pieces = []
+    for size in sorted(sizes, reverse=True):
+        while t >= size:
+            pieces.append(size)
+            t -= size
+    return pieces if t == 0 else []
 
 
 class GraphedFrameStep:
@@ -234,27 +244,32 @@ class GraphedCodecDecode:
         return bool(self._graphs)
 
     def can_decode(self, b: int, t: int) -> bool:
-        return t in self.frame_sizes and b <= self.batch_buckets[-1]
+        return b <= self.batch_buckets[-1] and bool(split_frames(t, self.frame_sizes))
 
     def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
-        """Like `StreamingCodecDecoder.decode` for live slots; returns a view of a static buffer."""
-        b, t = codes.shape[0], codes.shape[1]
+        """Like `StreamingCodecDecoder.decode` for live slots: one replay per piece of `split_frames`.
+
+        The streaming decoder gives the same audio however a chunk is cut, so a chunk of a length without a
+        graph (the last one of a stream, say) is decoded in graphed pieces rather than eagerly. Returns a view
+        of a static buffer when the chunk is one piece.
+        """
+        b = codes.shape[0]
         bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
-        graph, out = self._graphs[(bucket, t)]
         self._slots[:bucket].copy_(self._scratch[:bucket])
         self._slots[:b].copy_(upload(slots, torch.int64, self._slots.device))
-        self._codes[:b, :t].copy_(codes)
-        graph.replay()
-        return out[:b]
+        pieces, start = [], 0
+        sizes = split_frames(codes.shape[1], self.frame_sizes)
+        for t in sizes:
+            graph, out = self._graphs[(bucket, t)]
+            self._codes[:b, :t].copy_(codes[:, start : start + t])
+            graph.replay()
+            start += t
+            pieces.append(out[:b] if len(sizes) == 1 else out[:b].clone())  # the next replay may reuse `out`
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def prime(self, slot: int, codes: torch.Tensor) -> None:
-        """Feed reference codes [T, Q] through the slot's state in graphed pieces, dropping their audio."""
-        start = 0
-        while start < codes.shape[0]:
-            left = codes.shape[0] - start
-            size = max([t for t in self.frame_sizes if t <= left], default=0)
-            if size == 0:
-                self.codec.prime(slot, codes[start:])  # shorter than the smallest graph: eager
-                return
-            self.decode([slot], codes[start : start + size].unsqueeze(0))
-            start += size
+        """Feed reference codes [T, Q] through the slot's state, graphed where the sizes allow; drops the audio."""
+        if split_frames(codes.shape[0], self.frame_sizes):
+            self.decode([slot], codes.unsqueeze(0))
+        else:
+            self.codec.prime(slot, codes)
