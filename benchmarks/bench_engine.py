@@ -15,7 +15,6 @@ import asyncio
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import time_stack  # noqa: E402
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
 
@@ -160,7 +160,6 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
     runner = engine._runner
     fused = runner.fused_kernels
     out: dict[str, dict[str, float]] = {}
-    side = torch.cuda.Stream()
     saved_active = runner.active.clone()
     runner.active.zero_()  # every row inactive: the same work, but no slot's state moves
     for b in sizes:
@@ -174,21 +173,7 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
                 "talker_step": lambda b=b: runner.talker_step(b, kv_len),
             }.items():
                 with torch.inference_mode():
-                    with torch.cuda.stream(side):
-                        fn()
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        fn()
-                times = []
-                for _ in range(reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                row[name + suffix] = statistics.median(times)
+                    row[name + suffix] = 1000 * time_stack(fn, engine.device, reps)
         runner.fused_kernels = fused
         out[str(b)] = row
         log(f"  graph batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))

@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import time_stack  # noqa: E402
 from qwen3tts_agent.engine import kernels  # noqa: E402
 from qwen3tts_agent.engine.kernels import GemvTiles  # noqa: E402
 
@@ -101,25 +101,7 @@ def run_torch(ops: dict[str, Any]) -> None:
 
 def graph_time(fn: Any, launches: int, replays: int = 15) -> float:
     """Median microseconds per launch of a CUDA graph holding `launches` launches of `fn`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    del graph
-    return statistics.median(times)
+    return 1e6 * time_stack(fn, torch.device("cuda"), replays) / launches
 
 
 Job = tuple[int, int, str, int, list[GemvTiles]]

@@ -9,19 +9,15 @@ JSON; the tests below assert on them.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-MARKER = "KERNEL-RESULTS "
+from tests.interpreted import report_results, run_interpreted, start_child
+
 MAX_LEN = 256  # cache length is MAX_LEN + 1: the spare column inactive rows write to
 
 TINY = {"hidden": 48, "heads": 6, "kv_heads": 2, "head_dim": 16, "ffn": 80}  # widths off the tile sizes, GQA group 3
@@ -226,16 +222,7 @@ def _run_engine() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    # triton is a dev dependency: its absence is a failure, not a skip
-    assert importlib.util.find_spec("triton") is not None, "triton is not installed (pip install -e '.[dev]')"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=900
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
-    assert proc.returncode == 0 and lines, f"kernel checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len(MARKER) :])
+    return run_interpreted(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -277,9 +264,7 @@ def test_cases_cover_single_and_split_paths(results: dict[str, dict[str, Any]]) 
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
+    start_child()
     out = {}
     for case in CASES:
         started = time.perf_counter()
@@ -291,4 +276,4 @@ if __name__ == "__main__":
     started = time.perf_counter()
     out["engine"] = _run_engine()
     print(f"engine ({time.perf_counter() - started:.1f} s): {out['engine']}", file=sys.stderr, flush=True)
-    print(MARKER + json.dumps(out), flush=True)
+    report_results(out)

@@ -10,39 +10,18 @@ the order the kernel defines (descending score, then ascending token id).
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-MARKER = "SAMPLING-KERNEL-RESULTS "
+from tests.interpreted import report_results, run_interpreted, start_child
+
 EXACT_CASES = ("small-fp32", "small-bf16-strided", "vocab2048", "talker")
 DRAWS = 800  # counters drawn on one row: the kernel's empirical distribution is the reference's, draw by draw
 
 # ------------------------------------------------------------------------------------ child process (interpreter)
-
-
-def _fast_xor_sum() -> None:
-    """Reduce xor_sum with numpy: the interpreter loops over elements in Python, once per tl.topk swap step."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    generic = interpreter.ReduceOps.apply_impl
-
-    def apply_impl(self: Any, input: Any) -> Any:
-        if self.combine_fn != tl.standard._xor_combine:
-            return generic(self, input)
-        data = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis, keepdims=self.keep_dims)
-        return self.to_tensor(data, input[0].dtype)
-
-    interpreter.ReduceOps.apply_impl = apply_impl
 
 
 def _rows(cap: int, gen: Any, greedy: int = 5) -> dict[str, Any]:
@@ -203,17 +182,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    assert importlib.util.find_spec("triton") is not None, "triton is not installed (pip install -e '.[dev]')"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
-    assert proc.returncode == 0 and lines, (
-        f"sampling kernel checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(lines[-1][len(MARKER) :])
+    return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", EXACT_CASES)
@@ -245,13 +214,10 @@ def test_distribution_equals_the_reference_draw_by_draw(results: dict[str, dict[
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
-    _fast_xor_sum()
+    start_child()
     out = {}
     for name, run in CASES.items():
         started = time.perf_counter()
         out[name] = run()
         print(f"{name} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
-    print(MARKER + json.dumps(out), flush=True)
+    report_results(out)

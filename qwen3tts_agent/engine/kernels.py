@@ -472,7 +472,8 @@ def decode_layer(
     Row r uses cache slot r. `masked=True` stands for mask = arange(read_len) <= write_pos (the talker step),
     `masked=False` for mask=None (every key below read_len). x [b, 1, hidden], cos/sin [b, 1, head_dim],
     write_pos [b, 1] int64 on the device, each below the cache length (unchecked: that would sync with the
-    host); returns a new [b, 1, hidden] tensor and writes the caches in place.
+    host); returns a new [b, 1, hidden] tensor and writes the caches in place. Above GEMV_MAX_ROWS rows the
+    four products are cuBLAS GEMMs (with PyTorch's norms and SwiGLU) around the same attention kernel.
     """
     b, t, hidden = x.shape
     if t != 1:
