@@ -137,8 +137,7 @@ class StreamingCodecDecoder:
     def reset(self, slot: int) -> None:
         """Start a new stream in `slot` (as if no frame had been decoded there)."""
         self._check_slot(slot)
-        for history in self._histories():
-            history.buffer[slot].zero_()
+        torch._foreach_zero_([h.buffer[slot] for h in self._histories()])  # one launch, not one per buffer
         self._positions[slot] = 0
 
     def snapshot(self, slot: int) -> list[torch.Tensor]:
@@ -150,8 +149,9 @@ class StreamingCodecDecoder:
         """Put a `snapshot` back into `slot` (any slot): the same as resetting and priming it again."""
         self._check_slot(slot)
         *buffers, position = state
-        for history, saved in zip(self._histories(), buffers, strict=True):
-            history.buffer[slot].copy_(saved)
+        if len(buffers) != len(self._histories()):
+            raise ValueError("not a snapshot of this decoder")
+        torch._foreach_copy_([h.buffer[slot] for h in self._histories()], buffers)  # one launch, not one per buffer
         self._positions[slot].copy_(position)
 
     def _histories(self) -> list[_History]:
