@@ -236,6 +236,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--no-fp32-timing", action="store_true", help="time bf16 only (fp32 is still checked)")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
 
     if args.smoke:  # before anything imports triton: the kernels are decorated for the interpreter then
@@ -251,10 +252,12 @@ def main() -> int:
 
     if not kernels.available(device):
         parser.error(f"the Triton kernels are not available on {device}")
+    kernels.PROGRAMMATIC_LAUNCH = args.pdl
     torch.manual_seed(0)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "checks": [], "timings": [],
+        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "pdl": args.pdl,
+        "checks": [], "timings": [],
     }
     timing_dtypes = [torch.bfloat16] if args.no_fp32_timing else [torch.bfloat16, torch.float32]
     for model in models:

@@ -4,7 +4,8 @@
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
 # engine's defaults, then without the Triton kernels, then also without the codec's own stream; the later
-# stages run with the first set of flags that passed (and say so).
+# stages run with the first set of flags that passed (and say so). PDL=1 adds --pdl (programmatic dependent
+# launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
@@ -20,22 +21,23 @@ official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
 checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
 
 flags=""
+pdl=${PDL:+--pdl}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     smoke)
       for flags in "" "--no-fused-kernels" "--no-fused-kernels --no-overlap-codec"; do
         if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 benchmarks/bench_engine.py --model synthetic:0.6b \
-             --smoke $flags --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
+             --smoke $flags $pdl --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
         else echo "smoke FAILED with flags: '$flags'"; grep -v Assertion "$out/smoke.log" | tail -4; fi
       done ;;
-    sweep) official benchmarks/sweep_gemv.py --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
-    kernels) official benchmarks/bench_kernels.py --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing \
+    sweep) official benchmarks/sweep_gemv.py $pdl --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
+    kernels) official benchmarks/bench_kernels.py --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
-    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $flags --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
-                   $flags --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
-    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags \
+                   $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py

@@ -122,12 +122,18 @@ def _compile(job: Job) -> list[GemvTiles]:
     return failed
 
 
+def _set_pdl(on: bool) -> None:
+    kernels.PROGRAMMATIC_LAUNCH = on
+
+
 def precompile(jobs: list[Job], workers: int) -> set[tuple[int, int, str, int, GemvTiles]]:
     """Compile every job's tiles in worker processes; returns the (n, k, flavour, rows, tiles) that failed."""
     started = time.perf_counter()
     total, done, failed = sum(len(j[-1]) for j in jobs), 0, set()
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_set_pdl, initargs=(kernels.PROGRAMMATIC_LAUNCH,)
+    ) as pool:
         for job, bad in zip(jobs, pool.map(_compile, jobs), strict=True):
             done += len(job[-1])
             failed |= {(*job[:4], tiles) for tiles in bad}
@@ -143,11 +149,13 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     parser.add_argument("--workers", type=int, default=12, help="compile processes")
     parser.add_argument("--budget-s", type=float, default=420, help="stop timing new cases after this long")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
     import triton
 
+    kernels.PROGRAMMATIC_LAUNCH = args.pdl  # and in the compile workers (`_set_pdl`)
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     jobs = [(n, k, f, b, candidates(b)) for _, n, k, f in shapes for b in args.batches]
     log(f"{len(jobs)} cases, {sum(len(j[-1]) for j in jobs)} kernels to compile with {args.workers} workers")
@@ -156,7 +164,7 @@ def main() -> int:
     started = time.perf_counter()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count, "cases": [],
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count, "pdl": args.pdl, "cases": [],
     }
     for (name, n_out, k_dim, flavour), rows in itertools.product(shapes, args.batches):
         if time.perf_counter() - started > args.budget_s:

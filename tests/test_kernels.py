@@ -257,6 +257,33 @@ def test_engine_with_kernels_matches_torch_layers(results: dict[str, dict[str, A
     assert engine["kernels"]["codes"] == engine["torch"]["codes"]
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool) -> None:
+    """Compiled for sm_90 (no GPU needed): with PDL on, the GEMV loads its weights, then waits for its inputs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qwen3tts_agent.engine import kernels
+
+    pointers = dict.fromkeys(("x_ptr", "g_ptr", "w_ptr", "res_ptr", "out_ptr"), "*bf16")
+    signature = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32", "rows": "i32", "eps": "fp32",
+                 "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "rows" and name != "eps"}
+    constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, ROW_TILES=1, SPLITS=4,
+                     SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl)
+    source = ASTSource(kernels._gemv_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]
+    lines = ptx.splitlines()
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    assert bool(waits) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+    if pdl:
+        weight_loads = [i for i in loads if i < waits[0]]
+        assert len(weight_loads) == 8, "the 32 x 256 bf16 weight tile: eight 16-byte loads per thread"
+        assert any(i > waits[0] for i in loads), "the inputs are loaded after the wait"
+
+
 def test_cases_cover_single_and_split_paths(results: dict[str, dict[str, Any]]) -> None:
     attn = {results[_case_id(c)]["attn_splits"] > 1 for c in CASES}
     gemv = {results[_case_id(c)]["gemv_splits"] > 1 for c in CASES}

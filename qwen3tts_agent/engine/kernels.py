@@ -45,6 +45,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # keeps the module importable on installs without triton; available() reports False
     triton = None
 
@@ -56,6 +57,10 @@ GEMV_MAX_ROWS = 64
 BLOCK_KEYS = 32  # keys per attention step
 KEYS_PER_PROGRAM = 128  # the attention loop is not software-pipelined: keep it short by splitting over keys
 MAX_KV_SPLITS = 16
+# Programmatic dependent launch (Hopper and later): each GEMV starts while the kernel before it finishes and
+# loads its first weights meanwhile. Off until measured: CUDA-graph capture keeps the launches' dependency
+# type, but this path has not run on a GPU yet (`benchmarks/bench_kernels.py --pdl` times it).
+PROGRAMMATIC_LAUNCH = False
 _COUNTER_SLOTS = 1 << 16  # one per (row, kv head) or GEMV output tile; far more than any layer needs
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -124,11 +129,44 @@ def _gemv_epilogue(
 
 
 @_jit
+def _gemv_weights(w_ptr, n, n_ok, k, N_OUT: tl.constexpr, K_DIM: tl.constexpr, GATED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at outputs n, inputs k; and the matching up rows when GATED."""
+    w_ok = n_ok[:, None] & (k < K_DIM)[None, :]
+    w = tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_ptr + (n + N_OUT)[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
+    return w, w_up
+
+
+@_jit
+def _gemv_block(
+    x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq,
+    K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Accumulate one K block: the rows' inputs (times the norm gains, Σx² alongside) against its weights."""
+    k_ok = k < K_DIM
+    x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        if SPLITS == 1:
+            sumsq += tl.sum(xf * xf, axis=1)
+        x = (xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+    xt = tl.trans(x)
+    acc = _dot(w, xt, acc, DOT_F32, PRECISION)
+    if GATED:
+        acc_up = _dot(w_up, xt, acc_up, DOT_F32, PRECISION)
+    return acc, acc_up, sumsq
+
+
+@_jit
 def _gemv_kernel(
     x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
     N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
 
@@ -136,8 +174,10 @@ def _gemv_kernel(
     the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
     (deterministic, no atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
     Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
+
+    PDL (programmatic dependent launch): the kernel may start while the previous one still runs; it loads
+    its first weight block, which nothing before it writes, and only then waits for that kernel's results.
     """
-    dt = x_ptr.dtype.element_ty
     tile, split = tl.program_id(0), tl.program_id(1)
     n = (tile // ROW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (tile % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,22 +185,21 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
-    for i in range(SPLIT_BLOCKS):
+    first: tl.constexpr = 1 if PDL else 0
+    if PDL:
+        k = split * SPLIT_BLOCKS * BLOCK_K + tl.arange(0, BLOCK_K)
+        w, w_up = _gemv_weights(w_ptr, n, n_ok, k, N_OUT, K_DIM, GATED)
+        gdc_launch_dependents()
+        gdc_wait()
+        acc, acc_up, sumsq = _gemv_block(
+            x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq, K_DIM, NORM, GATED, SPLITS, DOT_F32, PRECISION
+        )
+    for i in range(first, SPLIT_BLOCKS):
         k = (split * SPLIT_BLOCKS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = k < K_DIM
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            if SPLITS == 1:
-                sumsq += tl.sum(xf * xf, axis=1)
-            x = (xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
-        xt = tl.trans(x)
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
-        acc = _dot(w, xt, acc, DOT_F32, PRECISION)
-        if GATED:
-            w_up = tl.load(w_ptr + (n + N_OUT)[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
-            acc_up = _dot(w_up, xt, acc_up, DOT_F32, PRECISION)
+        w, w_up = _gemv_weights(w_ptr, n, n_ok, k, N_OUT, K_DIM, GATED)
+        acc, acc_up, sumsq = _gemv_block(
+            x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq, K_DIM, NORM, GATED, SPLITS, DOT_F32, PRECISION
+        )
     if SPLITS == 1:
         _gemv_epilogue(
             acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL
@@ -214,7 +253,7 @@ def _attention_kernel(
     stride_qkv, stride_cos, stride_sin, stride_pos, stride_slot, stride_head, stride_len, stride_out,
     Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
-    LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (row, kv head, key split): q/k norm + RoPE, K/V cache write, GQA attention of the head's GROUP queries.
 
@@ -222,6 +261,9 @@ def _attention_kernel(
     from registers rather than re-read from the cache, so no program reads a column another one writes. The
     GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot.
     """
+    if PDL:  # started early: let the next kernel start too, then wait for this one's inputs
+        gdc_launch_dependents()
+        gdc_wait()
     dt = cache_k_ptr.dtype.element_ty
     pid, split = tl.program_id(0), tl.program_id(1)
     row = pid // KV_HEADS
@@ -321,6 +363,12 @@ def _counters(device: torch.device) -> torch.Tensor:
             raise RuntimeError("call decode_layer once outside CUDA-graph capture: it allocates its counters then")
         counters = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
     return counters
+
+
+def _pdl(device: torch.device) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch: the PDL constexpr, and the launch flag when on."""
+    on = PROGRAMMATIC_LAUNCH and device.type == "cuda" and not _interpreting()
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -435,7 +483,7 @@ def gemv(
         _counters(x.device), rows, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
         DOT_F32=_interpreting(), PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **grid,
+        **grid, **_pdl(x.device),
     )
 
 
@@ -513,6 +561,7 @@ def decode_layer(
         Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, SPLITS=splits,
         LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(dt),
         num_warps=8 if dt == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
+        **_pdl(dev),
     )
 
     if not gemv_rows:
