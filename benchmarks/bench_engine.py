@@ -106,6 +106,35 @@ async def concurrency(engine: Engine, voice: Voice, n: int, frames: int) -> dict
     return {**summarize(list(timings), time.perf_counter() - started), "engine_loop": loop_profile(before, engine.stats())}
 
 
+async def closed_loop(engine: Engine, voice: Voice, n: int, window_s: float, frames: int) -> dict[str, object]:
+    """n clients, each opening a new stream as soon as its last one ends: the engine holds n streams throughout.
+
+    This is "the first audio at a load of n streams". The clients start spread over the first quarter of the
+    window and only streams submitted after it are reported, so the figures are the steady state's.
+    """
+    started = time.perf_counter()
+    settle = window_s / 4
+    timings: list[StreamTiming] = []
+    settled: list[EngineStats] = []
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(settle * i / n)
+        k = 0
+        while time.perf_counter() - started < window_s:
+            if not settled and time.perf_counter() - started >= settle:
+                settled.append(engine.stats())
+            timings.append(await run_stream(engine, voice, frames, seed=1_000_000 + i * 1000 + k))
+            k += 1
+
+    await asyncio.gather(*(client(i) for i in range(n)))
+    steady = [t for t in timings if t.submitted - started >= settle]
+    if not steady:
+        raise RuntimeError(f"no stream started after the first {settle:.1f} s: lengthen --closed-window")
+    result: dict[str, object] = {**summarize(steady, time.perf_counter() - started - settle), "clients": n}
+    result["engine_loop"] = loop_profile(settled[0], engine.stats())
+    return result
+
+
 def loop_profile(before: EngineStats, after: EngineStats) -> dict[str, float]:
     """The engine loop between two stats: steps, mean batch, and ms per step in each part of the loop."""
     steps = max(1, after.steps - before.steps)
@@ -330,6 +359,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         result = await poisson(engine, voice, rate, args.window, args.frames)
         report["poisson"].append(result)  # type: ignore[union-attr]
         log(f"poisson {rate}/s: {result}")
+    report["closed_loop"] = []
+    for n in args.closed_loop:
+        if n > args.max_streams:
+            continue
+        result = await closed_loop(engine, voice, n, args.closed_window, args.frames)
+        report["closed_loop"].append(result)  # type: ignore[union-attr]
+        log(f"closed loop, {n} streams: {result}")
     report["cancel"] = [await cancel_latency(engine, voice, bg, args.cancel_trials) for bg in args.cancel_background]
     log(f"cancel: {report['cancel']}")
     report["engine_stats"] = engine.stats().__dict__
@@ -347,8 +383,11 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=256)
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8, 32, 64, 128, 256])
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[4, 8, 16, 24, 32])
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[4, 8, 16, 24, 32])
     parser.add_argument("--window", type=float, default=8.0, help="Poisson arrival window, seconds")
+    parser.add_argument("--closed-window", type=float, default=8.0, help="closed-loop window, seconds")
+    parser.add_argument("--closed-loop", type=lambda s: [int(x) for x in s.split(",") if x], default=[64, 128, 256],
+                        help="hold this many streams at once (a new one as each ends) and time first audio")
     parser.add_argument("--cancel-trials", type=int, default=10)
     parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
     parser.add_argument("--single-only", action="store_true")
@@ -371,9 +410,11 @@ def main() -> None:
     if args.smoke:
         args.frames, args.runs, args.max_streams = 30, 2, 8
         args.concurrency, args.rates, args.cancel_trials, args.cancel_background = [8], [], 2, [2]
+        args.closed_loop = []
     if args.quick:
         args.frames, args.runs, args.max_streams, args.max_seq_len = 12, 2, 4, 256
         args.concurrency, args.rates, args.window, args.cancel_trials, args.cancel_background = [1, 4], [2.0], 1.5, 2, [0, 2]
+        args.closed_loop, args.closed_window = [2], 20.0
         args.dtype = "float32"
     report = asyncio.run(main_async(args))
     args.out.write_text(json.dumps(report, indent=2))
