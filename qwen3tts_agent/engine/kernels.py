@@ -129,23 +129,11 @@ def _gemv_epilogue(
 
 
 @_jit
-def _gemv_weights(w_ptr, n, n_ok, k, N_OUT: tl.constexpr, K_DIM: tl.constexpr, GATED: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at outputs n, inputs k; and the matching up rows when GATED."""
-    w_ok = n_ok[:, None] & (k < K_DIM)[None, :]
-    w = tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
-    w_up = w
-    if GATED:
-        w_up = tl.load(w_ptr + (n + N_OUT)[:, None] * K_DIM + k[None, :], mask=w_ok, other=0.0)
-    return w, w_up
-
-
-@_jit
-def _gemv_block(
-    x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq,
-    K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+def _gemv_inputs(
+    x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM: tl.constexpr, NORM: tl.constexpr, SPLITS: tl.constexpr
 ):
-    """Accumulate one K block: the rows' inputs (times the norm gains, Σx² alongside) against its weights."""
+    """The rows' inputs at k, transposed for the product ([BLOCK_K, BLOCK_M]): times the norm gains when NORM,
+    with Σx² accumulated alongside (only without K splits: split programs see part of the row)."""
     k_ok = k < K_DIM
     x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
@@ -153,11 +141,13 @@ def _gemv_block(
         if SPLITS == 1:
             sumsq += tl.sum(xf * xf, axis=1)
         x = (xf * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
-    xt = tl.trans(x)
-    acc = _dot(w, xt, acc, DOT_F32, PRECISION)
-    if GATED:
-        acc_up = _dot(w_up, xt, acc_up, DOT_F32, PRECISION)
-    return acc, acc_up, sumsq
+    return tl.trans(x), sumsq
+
+
+@_jit
+def _gemv_weights(w_ptr, n, n_ok, k, K_DIM: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of output rows n at inputs k."""
+    return tl.load(w_ptr + n[:, None] * K_DIM + k[None, :], mask=n_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
 
 
 @_jit
@@ -188,18 +178,20 @@ def _gemv_kernel(
     first: tl.constexpr = 1 if PDL else 0
     if PDL:
         k = split * SPLIT_BLOCKS * BLOCK_K + tl.arange(0, BLOCK_K)
-        w, w_up = _gemv_weights(w_ptr, n, n_ok, k, N_OUT, K_DIM, GATED)
+        w = _gemv_weights(w_ptr, n, n_ok, k, K_DIM)
+        w_up = _gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM) if GATED else w
         gdc_launch_dependents()
         gdc_wait()
-        acc, acc_up, sumsq = _gemv_block(
-            x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq, K_DIM, NORM, GATED, SPLITS, DOT_F32, PRECISION
-        )
+        xt, sumsq = _gemv_inputs(x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM, NORM, SPLITS)
+        acc = _dot(w, xt, acc, DOT_F32, PRECISION)
+        if GATED:
+            acc_up = _dot(w_up, xt, acc_up, DOT_F32, PRECISION)
     for i in range(first, SPLIT_BLOCKS):
         k = (split * SPLIT_BLOCKS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        w, w_up = _gemv_weights(w_ptr, n, n_ok, k, N_OUT, K_DIM, GATED)
-        acc, acc_up, sumsq = _gemv_block(
-            x_ptr, g_ptr, w, w_up, k, m, m_ok, stride_x, acc, acc_up, sumsq, K_DIM, NORM, GATED, SPLITS, DOT_F32, PRECISION
-        )
+        xt, sumsq = _gemv_inputs(x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM, NORM, SPLITS)
+        acc = _dot(_gemv_weights(w_ptr, n, n_ok, k, K_DIM), xt, acc, DOT_F32, PRECISION)
+        if GATED:
+            acc_up = _dot(_gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM), xt, acc_up, DOT_F32, PRECISION)
     if SPLITS == 1:
         _gemv_epilogue(
             acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL
