@@ -17,6 +17,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ class StreamTiming:
     end: float = 0.0
     audio_s: float = 0.0
     worst_lag: float = 0.0  # max over chunks of arrival - (first arrival + audio played before it)
-    stages_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # first chunk: see first_audio_stages
+    stages_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # first chunk: see STAGES
 
     @property
     def first_audio_ms(self) -> float:
@@ -83,10 +84,19 @@ async def run_stream(engine: Engine, voice: Voice, frames: int, seed: int) -> St
     return timing
 
 
-def summarize(timings: list[StreamTiming], wall: float) -> dict[str, float]:
+STAGES = ("admission_and_prefill", "first_frame", "codec_decode", "delivery")
+
+
+def summarize(timings: list[StreamTiming], wall: float) -> dict[str, object]:
     first = [t.first_audio_ms for t in timings]
     rtfs = [t.rtf for t in timings]
     return {
+        # where the first audio's time goes (ms): submit -> prompt prefilled -> first frame's codes on the
+        # host -> its PCM decoded -> the consumer holds it
+        "first_audio_stages_ms": {
+            stage: {q: pct([t.stages_ms[i] for t in timings], int(q[1:])) for q in ("p50", "p95")}
+            for i, stage in enumerate(STAGES)
+        },
         "streams": len(timings),
         "first_audio_ms_p50": pct(first, 50),
         "first_audio_ms_p95": pct(first, 95),
@@ -221,25 +231,33 @@ KERNEL_KINDS = (  # substrings of kernel names, first match wins
 )
 
 
-def kernel_breakdown(engine: Engine, kv_len: int, batch: int = 1, top: int = 15) -> dict[str, object]:
-    """Every kernel of one eager frame (torch.profiler): count and GPU time, by kind and by name.
+def kernel_breakdown(engine: Engine, kv_len: int, batch: int = 1) -> dict[str, object]:
+    """Every kernel of one eager frame: count and GPU time, by kind and by name.
 
     The graph replays the same kernels; the gap between their summed time and the replay's wall time is the
     per-kernel launch and dependency cost that only fusion removes. Rows are inactive (no slot moves).
     """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     runner = engine._runner
     saved_active = runner.active.clone()
     runner.active.zero_()
-    with torch.inference_mode():
-        runner.frame_step(batch, kv_len)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.frame_step(batch, kv_len)
-            torch.cuda.synchronize()
+    breakdown = profile_kernels(lambda: runner.frame_step(batch, kv_len))
     runner.active.copy_(saved_active)
+    return breakdown
+
+
+def profile_kernels(fn: Callable[[], object], top: int = 15, ops: bool = False) -> dict[str, object]:
+    """The kernels of one call of `fn` after a warm-up call (torch.profiler), by kind and by name; with `ops`,
+    also the PyTorch ops that launched the most GPU time, by input shapes (which conv is slow, say)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    with torch.inference_mode():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=activities, record_shapes=ops) as prof:
+            fn()
+            torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     by_kind: dict[str, list[float]] = {}
     for e in kernels:
@@ -249,27 +267,40 @@ def kernel_breakdown(engine: Engine, kv_len: int, batch: int = 1, top: int = 15)
         count_us[0] += e.count
         count_us[1] += e.self_device_time_total
     ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {
+    report: dict[str, object] = {
         "kernels_per_frame": sum(e.count for e in kernels),
         "kernel_time_ms": sum(e.self_device_time_total for e in kernels) / 1000,
         "by_kind": {k: {"kernels": c, "ms": us / 1000} for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "top_kernels": [{"name": e.key[:100], "count": e.count, "ms": e.self_device_time_total / 1000} for e in ranked],
     }
+    if ops:
+        launched = [e for e in prof.key_averages(group_by_input_shape=True) if e.device_type == DeviceType.CPU]
+        report["top_ops"] = [
+            {"op": e.key, "shapes": str(e.input_shapes)[:200], "count": e.count, "ms": e.self_device_time_total / 1000}
+            for e in sorted(launched, key=lambda e: -e.self_device_time_total)[:top]
+        ]
+    return report
 
 
-def codec_ms(engine: Engine, batch: int, frames: int, reps: int, graphed: bool) -> float:
-    """Wall time of one streaming-codec call (eager, or a graph replay), host launch included."""
+def codec_call(engine: Engine, batch: int, frames: int, graphed: bool) -> Callable[[], object]:
+    """One streaming-codec call on fresh slots (eager, or graph replays)."""
     codec = engine._codec
     decode = engine._codec_graphs.decode if graphed else codec.decode
     codes = torch.randint(0, 2048, (batch, frames, 16), device=engine.device)
     slots = list(range(batch))
     for s in slots:
         codec.reset(s)
-    decode(slots, codes)
+    return lambda: decode(slots, codes)
+
+
+def codec_ms(engine: Engine, batch: int, frames: int, reps: int, graphed: bool) -> float:
+    """Wall time of one streaming-codec call (eager, or a graph replay), host launch included."""
+    call = codec_call(engine, batch, frames, graphed)
+    call()
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(reps):
-        decode(slots, codes)
+        call()
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - started) / reps
 
@@ -288,7 +319,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "frames_per_stream": args.frames, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
-        "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernels.PROGRAMMATIC_LAUNCH,
+        "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernels.programmatic_launch(torch.device(args.device)),
     }
     reference = demo_reference()
 
@@ -304,11 +335,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
         report["single_stream"] = {
             **summarize(singles, sum(t.end - t.submitted for t in singles)),
-            # where the first audio's time goes (medians, ms): submit -> prompt prefilled -> first frame's codes on
-            # the host -> its PCM decoded -> the consumer holds it
-            "first_audio_stages_ms": dict(zip(
-                ("admission_and_prefill", "first_frame", "codec_decode", "delivery"),
-                (pct([t.stages_ms[i] for t in singles], 50) for i in range(4)), strict=True)),
             "loop_ms_per_frame_p50": pct(steady_ms, 50),
             "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         }
@@ -344,7 +370,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             f"{mode}_batch{b}_frames{f}": codec_ms(engine, b, f, 10, graphed=mode == "graphed")
             for mode in ("eager", "graphed") for b in (1, 32, 256) for f in (1, 8) if b <= args.max_streams
         }
+        # cuDNN's own algorithm search for the codec's convolutions (the engine leaves it off)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=True):
+            report["codec_decode_ms"].update({
+                f"eager_cudnn_benchmark_batch{b}_frames{f}": codec_ms(engine, b, f, 10, graphed=False)
+                for b, f in ((32, 8), (256, 1), (256, 8)) if b <= args.max_streams
+            })
         log(f"codec: {report['codec_decode_ms']}")
+        b = min(32, args.max_streams)
+        report["kernel_breakdown_codec"] = profile_kernels(codec_call(engine, b, 8, graphed=False), ops=True)
+        log(f"kernels of one codec call, {b} streams x 8 frames: {json.dumps(report['kernel_breakdown_codec'])}")
         report["kernel_breakdown_batched"] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len), batch=args.max_streams)
         log(f"kernels of one frame at batch {args.max_streams}: {json.dumps(report['kernel_breakdown_batched'])}")
     report["concurrency"] = {}
@@ -399,12 +434,13 @@ def main() -> None:
                         help="decode audio on the frame steps' CUDA stream")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                         help="PyTorch layers instead of the Triton decode kernels")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--smoke", action="store_true", help="a short GPU run that exercises every path")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     args = parser.parse_args()
-    kernels.PROGRAMMATIC_LAUNCH = args.pdl
+    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.smoke:

@@ -236,7 +236,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--no-fp32-timing", action="store_true", help="time bf16 only (fp32 is still checked)")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
 
     if args.smoke:  # before anything imports triton: the kernels are decorated for the interpreter then
@@ -252,7 +253,7 @@ def main() -> int:
 
     if not kernels.available(device):
         parser.error(f"the Triton kernels are not available on {device}")
-    kernels.PROGRAMMATIC_LAUNCH = args.pdl
+    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     torch.manual_seed(0)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",

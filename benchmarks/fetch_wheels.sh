@@ -8,6 +8,7 @@
 #   .whl/official/  our engine and the official baseline: qwen-tts 0.1.1 on transformers 4.57.3
 #   .whl/faster/    faster-qwen3-tts on qwen-tts-hf + transformers 5.16.1 (qwen-tts-hf breaks on 5.17+)
 #   .whl/common/    audio packages both need (librosa and the small deps the machine lacks)
+#   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
 #
 # Install each stack into its own --target folder there (both import a package named qwen_tts):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -69,6 +70,7 @@ fetch() {
 fetch official "${OFFICIAL[@]}"
 fetch faster "${FASTER[@]}"
 fetch common "${COMMON[@]}"
+fetch tools py-spy==0.4.3
 
 # Prune stale wheels (another version, or a package no longer listed), then check that every
 # requirement of every wheel is met by the wheels installed with it or by the GPU machine's image.

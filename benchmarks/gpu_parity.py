@@ -69,6 +69,7 @@ def compare(model: str, device: str, dtype: torch.dtype, frames: int, flags: dic
     pcm, result = engine.synthesize_blocking(TEXT, voice=voice, language="english",
                                              sampling=SamplingParams.greedy(max_frames=frames))
     list(other.chunks())
+    activation_gap = fused_activation_gap(engine)
     engine.close()
     ours = torch.tensor(result.codes)
     n = min(len(ours), len(theirs))
@@ -82,7 +83,19 @@ def compare(model: str, device: str, dtype: torch.dtype, frames: int, flags: dic
         "frames_ours": int(len(ours)), "identical": bool(first_diff == n and len(ours) == len(theirs)),
         "first_differing_frame": first_diff, "token_agreement": float((ours[:n] == theirs[:n]).float().mean()),
         "frame_agreement": float(equal_frames.float().mean()), "max_wave_abs_error": wav_err, "official_seconds": official_s,
+        "fused_activation_max_abs_diff": activation_gap,
     }, ours, theirs
+
+
+@torch.inference_mode()
+def fused_activation_gap(engine: Engine) -> float:
+    """Largest difference between the codec's fused SnakeBeta kernels and the official modules, on random input."""
+    generator = torch.Generator(engine.device).manual_seed(0)
+    gap = 0.0
+    for snake in engine._codec._snakes.values():
+        x = torch.randn(3, snake.alpha.shape[0], 5000, device=engine.device, generator=generator).to(engine.dtype) * 3
+        gap = max(gap, float((snake(x).float() - snake.module(x).float()).abs().max()))
+    return gap
 
 
 def main() -> None:
@@ -93,10 +106,11 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"))
     args = parser.parse_args()
-    kernels.PROGRAMMATIC_LAUNCH = args.pdl
+    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     # TF32 would make the fp32 check compare two rounding paths; bf16 runs are unaffected
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

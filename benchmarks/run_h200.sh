@@ -4,8 +4,8 @@
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
 # engine's defaults, then without the Triton kernels, then also without the codec's own stream; the later
-# stages run with the first set of flags that passed (and say so). PDL=1 adds --pdl (programmatic dependent
-# launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
+# stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
+# dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
@@ -21,7 +21,7 @@ official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
 checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
 
 flags=""
-pdl=${PDL:+--pdl}
+pdl=${NO_PDL:+--no-pdl}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in

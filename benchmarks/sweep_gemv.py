@@ -122,7 +122,7 @@ def _compile(job: Job) -> list[GemvTiles]:
     return failed
 
 
-def _set_pdl(on: bool) -> None:
+def _set_pdl(on: bool | None) -> None:
     kernels.PROGRAMMATIC_LAUNCH = on
 
 
@@ -149,13 +149,14 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     parser.add_argument("--workers", type=int, default=12, help="compile processes")
     parser.add_argument("--budget-s", type=float, default=420, help="stop timing new cases after this long")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels.PROGRAMMATIC_LAUNCH)")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="no programmatic dependent launch (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
     import triton
 
-    kernels.PROGRAMMATIC_LAUNCH = args.pdl  # and in the compile workers (`_set_pdl`)
+    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False  # and in the compile workers (`_set_pdl`)
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     jobs = [(n, k, f, b, candidates(b)) for _, n, k, f in shapes for b in args.batches]
     log(f"{len(jobs)} cases, {sum(len(j[-1]) for j in jobs)} kernels to compile with {args.workers} workers")

@@ -53,6 +53,11 @@ def _init(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.T
 
 @pytest.fixture(scope="module")
 def decoder() -> torch.nn.Module:
+    return tiny_decoder()
+
+
+def tiny_decoder() -> torch.nn.Module:
+    """The official decoder with tiny widths and the seeded weights of `_init` (also used by test_snake_kernel)."""
     import_qwen_tts()
     from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2DecoderConfig,

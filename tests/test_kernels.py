@@ -28,8 +28,8 @@ REAL_TILES = {"block_n": 64, "block_k": 2048}
 REAL_PATCH = {"FP32_BLOCK_K": 1024, "_sm_count": 16}
 
 
-def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool) -> dict[str, Any]:
-    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked}
+def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool, t: int = 1) -> dict[str, Any]:
+    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked, "t": t}
 
 
 CASES = (
@@ -38,6 +38,11 @@ CASES = (
     + [_case("tiny", "bfloat16", b, n, m) for b, n, m in ((1, 37, True), (3, 200, True), (8, 200, False))]
     + [_case("tiny", "float32", b, n, True) for b, n in ((20, 37), (70, 200))]  # 32-row tile; two 64-row tiles
     + [_case("real", "float32", 3, 200, True), _case("real", "bfloat16", 8, 37, False)]
+    # two tokens per row: the predictor's first step (positions 0 and 1, causal), b * t rows up to 80
+    # (cuBLAS); and masked, with a row's two consecutive positions anywhere below read_len
+    + [_case("tiny", dt, b, 2, False, t=2) for dt in ("float32", "bfloat16") for b in (1, 3, 40)]
+    + [_case("tiny", "float32", b, 200, True, t=2) for b in (3, 40)]
+    + [_case("real", "bfloat16", 3, 2, False, t=2)]
 )
 # max |error| / max |reference|. The interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even),
 # so its bf16 errors run about twice those on a GPU.
@@ -45,7 +50,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def _case_id(case: dict[str, Any]) -> str:
-    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}".format(**case, mask="mask" if case["masked"] else "nomask")
+    mask, tokens = "mask" if case["masked"] else "nomask", f"-t{case['t']}" if case["t"] > 1 else ""
+    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}{tokens}".format(**case, mask=mask, tokens=tokens)
 
 
 # ------------------------------------------------------------------------------------ child process (interpreter)
@@ -82,20 +88,20 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
 
     shape = TINY if case["shape"] == "tiny" else REAL
     dtype = getattr(torch, case["dtype"])
-    b, read_len, masked = case["b"], case["read_len"], case["masked"]
+    b, t, read_len, masked = case["b"], case["t"], case["read_len"], case["masked"]
     torch.manual_seed(b * 1000 + read_len)
     layer = _build_layer(shape, dtype)
     kv_heads, d = shape["kv_heads"], shape["head_dim"]
     cache_k = torch.randn(b + 1, kv_heads, MAX_LEN + 1, d).to(dtype)  # one slot more than rows: must stay
     cache_v = torch.randn_like(cache_k)
-    x = (2 * torch.randn(b, 1, shape["hidden"])).to(dtype)
-    write_pos = torch.randint(0, read_len, (b, 1))
-    write_pos[0] = read_len - 1  # the newest key is the last one read
-    if b > 1:
+    x = (2 * torch.randn(b, t, shape["hidden"])).to(dtype)
+    write_pos = torch.randint(0, read_len - t + 1, (b, 1)) + torch.arange(t)  # a row's tokens: consecutive
+    write_pos[0] = torch.arange(read_len - t, read_len)  # the newest key is the last one read
+    if b > 1 and t == 1:
         write_pos[-1] = MAX_LEN  # an inactive row: writes the spare column, attends every key below read_len
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
     cos, sin = rope_tables(inv_freq, write_pos, dtype)
-    mask = (torch.arange(read_len) <= write_pos).view(b, 1, 1, read_len) if masked else None
+    mask = (torch.arange(read_len) <= write_pos[..., None]).unsqueeze(1) if masked else None  # [b, 1, t, len]
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     with torch.no_grad():
         ref = layer(x, cos, sin, ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
@@ -104,12 +110,12 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         assert kernels.available(torch.device("cpu"))
         out_k, out_v = cache_k.clone(), cache_v.clone()
         out = kernels.decode_layer(layer, x, cos, sin, out_k, out_v, write_pos, read_len, masked=masked)
-        tiles = kernels.gemv_tiles("residual", shape["hidden"], shape["ffn"], b)
-        gemv_splits = kernels._gemv_grid(shape["hidden"], shape["ffn"], b, dtype, tiles, x.device)["SPLITS"]
+        tiles = kernels.gemv_tiles("residual", shape["hidden"], shape["ffn"], b * t)
+        grid = kernels._gemv_grid(shape["hidden"], shape["ffn"], b * t, dtype, tiles, x.device)
         attn_splits = kernels._kv_splits(b * kv_heads, read_len, x.device)[0]
 
     written = torch.zeros_like(cache_k, dtype=torch.bool)
-    written[torch.arange(b), :, write_pos[:, 0]] = True
+    written[torch.arange(b)[:, None], :, write_pos] = True
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).abs().max() / b.double().abs().max())
@@ -122,7 +128,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         "rest_untouched": bool(torch.equal(out_k[~written], cache_k[~written]) and torch.equal(out_v[~written], cache_v[~written])),
         "written_changed": bool((out_k[written] != cache_k[written]).any()),
         "attn_splits": attn_splits,
-        "gemv_splits": gemv_splits,
+        "gemv_splits": grid["SPLITS"],
     }
 
 

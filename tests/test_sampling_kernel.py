@@ -3,9 +3,9 @@
 As in test_kernels.py, the interpreter has to be on before the kernel is decorated, so this file, run as a
 script with TRITON_INTERPRET=1 in a fresh subprocess, computes every case and prints the kernel's and the
 reference's tokens as JSON; the tests below assert on them. The reference ranks candidates with torch.topk,
-whose order among equal scores is unspecified, so its cases have no ties (fp32 random logits, or distinct
-bf16 values); the tie case compares against the same reference with a stable sort in place of topk, which is
-the order the kernel defines (descending score, then ascending token id).
+whose order among equal scores is unspecified, so cases with ties (bf16 logits) compare against the same
+reference with a stable sort in place of topk, which is the order the kernel defines (descending score, then
+ascending token id).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.interpreted import report_results, run_interpreted, start_child
 
-EXACT_CASES = ("small-fp32", "small-bf16-strided", "vocab2048", "talker")
+EXACT_CASES = ("small-fp32", "small-bf16-strided", "vocab2048", "vocab2048-bf16", "talker")
 DRAWS = 800  # counters drawn on one row: the kernel's empirical distribution is the reference's, draw by draw
 
 # ------------------------------------------------------------------------------------ child process (interpreter)
@@ -120,15 +120,30 @@ def _case_talker() -> dict[str, Any]:
     return result
 
 
+def _stable_topk(scores: Any, k: int, dim: int = -1) -> tuple[Any, Any]:
+    """torch.topk with ties in ascending id order, the kernel's order."""
+    values, ids = scores.sort(dim=dim, descending=True, stable=True)
+    return values[..., :k], ids[..., :k]
+
+
+def _case_vocab2048_bf16() -> dict[str, Any]:
+    """The code predictor's case: bf16 logits, no penalty (int32 sort keys); bf16 rounding makes ties."""
+    from unittest import mock
+
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    rows = _rows(64, gen, greedy=3)
+    scores = (torch.randn(rows["seed"].shape[0], 2048, generator=gen) * 4).to(torch.bfloat16)
+    with mock.patch.object(torch.Tensor, "topk", _stable_topk):
+        return _compare(scores, rows, cap=64)
+
+
 def _case_ties() -> dict[str, Any]:
     """bf16 scores from a few values (and -0.0): against the reference ranking by a stable sort."""
     from unittest import mock
 
     import torch
-
-    def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        values, ids = scores.sort(dim=dim, descending=True, stable=True)
-        return values[..., :k], ids[..., :k]
 
     gen = torch.Generator().manual_seed(4)
     cap = 16
@@ -138,7 +153,7 @@ def _case_ties() -> dict[str, Any]:
     scores = (torch.randint(-3, 4, (rows["seed"].shape[0], 100), generator=gen) * 0.75).to(torch.bfloat16)
     # random signs: some zeros become -0.0, which ranks as +0.0
     scores = torch.where(torch.rand(scores.shape, generator=gen) < 0.5, -scores, scores)
-    with mock.patch.object(torch.Tensor, "topk", stable_topk):
+    with mock.patch.object(torch.Tensor, "topk", _stable_topk):
         result = _compare(scores, rows, cap=cap)
     ranked = scores.float().sort(dim=-1, descending=True).values
     k = rows["top_k"].clamp(min=1).unsqueeze(1)
@@ -172,6 +187,7 @@ CASES = {
     "small-fp32": lambda: _case_small("fp32"),
     "small-bf16-strided": lambda: _case_small("bf16"),
     "vocab2048": _case_vocab2048,
+    "vocab2048-bf16": _case_vocab2048_bf16,
     "talker": _case_talker,
     "ties": _case_ties,
     "distribution": _case_distribution,

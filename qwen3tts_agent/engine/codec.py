@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .host import upload
+from .snake_kernel import SnakeBeta
 
 
 class _History:
@@ -95,6 +96,10 @@ class StreamingCodecDecoder:
             self._kv.append((_History(self._zeros(*shape), dim=2), _History(self._zeros(*shape), dim=2)))
         self._positions = torch.zeros(max_streams, dtype=torch.long, device=self.device)
         self.prime_frames = self._audio_lookback()
+        # the audio-rate activations, fused where Triton runs (the largest elementwise work of a decode)
+        self._snakes = {
+            module: SnakeBeta(module) for module in decoder.decoder.modules() if type(module).__name__ == "SnakeBeta"
+        }
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(self.max_streams, *shape, device=self.device, dtype=self.dtype)
@@ -138,7 +143,7 @@ class StreamingCodecDecoder:
         """Start a new stream in `slot` (as if no frame had been decoded there)."""
         self._check_slot(slot)
         torch._foreach_zero_([h.buffer[slot] for h in self._histories()])  # one launch, not one per buffer
-        self._positions[slot] = 0
+        self._positions[slot].zero_()  # not `= 0`: a copy from a host scalar waits for the stream
 
     def snapshot(self, slot: int) -> list[torch.Tensor]:
         """A copy of the slot's whole state, e.g. right after priming it with a voice's reference codes."""
@@ -218,14 +223,15 @@ class StreamingCodecDecoder:
         for upsample, convnext in decoder.upsample:
             hidden = self._convnext(convnext, self._conv(upsample, hidden, slots), slots)
         first, *blocks, snake, last = decoder.decoder
+        act = self._snakes
         hidden = self._conv(first, hidden, slots)
         for block in blocks:
             activation, upsample, *units = block.block
-            hidden = self._conv(upsample, activation(hidden), slots)
+            hidden = self._conv(upsample, act[activation](hidden), slots)
             for unit in units:
-                inner = self._conv(unit.conv1, unit.act1(hidden), slots)
-                hidden = hidden + self._conv(unit.conv2, unit.act2(inner), slots)
-        return self._conv(last, snake(hidden), slots).clamp(min=-1, max=1)
+                inner = self._conv(unit.conv1, act[unit.act1](hidden), slots)
+                hidden = hidden + self._conv(unit.conv2, act[unit.act2](inner), slots)
+        return self._conv(last, act[snake](hidden), slots).clamp(min=-1, max=1)
 
     def _conv(self, module: nn.Module, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""

@@ -1,8 +1,9 @@
-"""Triton kernels for the single-token decode step of a `FusedDecoderLayer`: five launches per layer.
+"""Triton kernels for the decode steps of a `FusedDecoderLayer` (t tokens per row): 4 + t launches per layer.
 
 A decode frame runs 28 talker layers and 75 predictor layer calls inside one CUDA graph, and the PyTorch
 path spends about 22 small kernels per layer, so the frame is bound by kernel count rather than by bytes.
-Here one layer is four products through one GEMV kernel (`gemv`) and one attention kernel:
+Here one layer is four products through one GEMV kernel (`gemv`) over all b·t token rows, and one attention
+kernel launch per token index (the predictor's first step feeds two tokens per row):
 
 1. RMSNorm(x) · W_qkvᵀ. The norm is folded into the product: the K loop feeds x∘g to it and accumulates
    Σx² alongside, and the per-row 1/rms scales the result at the end.
@@ -58,9 +59,10 @@ BLOCK_KEYS = 32  # keys per attention step
 KEYS_PER_PROGRAM = 128  # the attention loop is not software-pipelined: keep it short by splitting over keys
 MAX_KV_SPLITS = 16
 # Programmatic dependent launch (Hopper and later): each GEMV starts while the kernel before it finishes and
-# loads its first weights meanwhile. Off until measured: CUDA-graph capture keeps the launches' dependency
-# type, but this path has not run on a GPU yet (`benchmarks/bench_kernels.py --pdl` times it).
-PROGRAMMATIC_LAUNCH = False
+# loads its first weights meanwhile; CUDA-graph capture keeps the launches' dependency type. None: on where
+# the GPU has it (compute capability 9.0 and up). On an H200 it took a 0.6B frame from 4.09 to 3.88 ms with
+# the same tokens (benchmarks/results/2026-11-30-h200/).
+PROGRAMMATIC_LAUNCH: bool | None = None
 _COUNTER_SLOTS = 1 << 16  # one per (row, kv head) or GEMV output tile; far more than any layer needs
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -357,10 +359,21 @@ def _counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the kernels launch on `device` with programmatic dependent launch (see PROGRAMMATIC_LAUNCH)."""
+    if device.type != "cuda" or _interpreting() or PROGRAMMATIC_LAUNCH is False:
+        return False
+    return PROGRAMMATIC_LAUNCH or _capability(device) >= (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _pdl(device: torch.device) -> dict[str, bool]:
     """Launch options for programmatic dependent launch: the PDL constexpr, and the launch flag when on."""
-    on = PROGRAMMATIC_LAUNCH and device.type == "cuda" and not _interpreting()
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -487,12 +500,43 @@ def _kv_splits(programs: int, read_len: int, device: torch.device) -> tuple[int,
     return _cdiv(read_len, per_split), per_split
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[b, 1, n] -> a [b, n] view; kernels take the row stride (which may be 0 for expanded tensors)."""
-    rows = t[:, 0]
+def _token(t: torch.Tensor, i: int) -> torch.Tensor:
+    """[b, t, n] -> the [b, n] view of token i; kernels take the row stride (0 for expanded tensors)."""
+    rows = t[:, i]
     if rows.stride(-1) != 1:
         raise ValueError("the last dimension must be contiguous")
     return rows
+
+
+def _attention(
+    layer: FusedDecoderLayer,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    out: torch.Tensor,
+    read_len: int,
+    masked: bool,
+) -> None:
+    """One `_attention_kernel` launch for one token of each of b rows: qkv, cos, sin, out [b, n], pos [b]."""
+    b, d = qkv.shape[0], layer.head_dim
+    kv_heads, group = layer.kv_size // d, layer.q_size // layer.kv_size
+    splits, per_split = _kv_splits(b * kv_heads, read_len, qkv.device)
+    partials = torch.empty(b * kv_heads, splits, group, d, device=qkv.device, dtype=torch.float32)
+    stats = torch.empty(b * kv_heads, splits, 2, group, device=qkv.device, dtype=torch.float32)
+    _attention_kernel[(b * kv_heads, splits)](
+        qkv, cos, sin, pos, layer.q_norm, layer.k_norm, cache_k, cache_v, out,
+        partials, stats, _counters(qkv.device), read_len, per_split, layer.eps, layer.scaling,
+        qkv.stride(0), cos.stride(0), sin.stride(0), pos.stride(0),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
+        Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
+        Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, SPLITS=splits,
+        LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(qkv.dtype),
+        num_warps=8 if qkv.dtype == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
+        **_pdl(qkv.device),
+    )
 
 
 def decode_layer(
@@ -507,17 +551,22 @@ def decode_layer(
     *,
     masked: bool = True,
 ) -> torch.Tensor:
-    """`layer(x, cos, sin, cache_k, cache_v, arange(b)[:, None], write_pos, slice(0, b), read_len, mask)` for t == 1.
+    """`layer(x, cos, sin, cache_k, cache_v, arange(b)[:, None], write_pos, slice(0, b), read_len, mask)`.
 
-    Row r uses cache slot r. `masked=True` stands for mask = arange(read_len) <= write_pos (the talker step),
-    `masked=False` for mask=None (every key below read_len). x [b, 1, hidden], cos/sin [b, 1, head_dim],
-    write_pos [b, 1] int64 on the device, each below the cache length (unchecked: that would sync with the
-    host); returns a new [b, 1, hidden] tensor and writes the caches in place. Above GEMV_MAX_ROWS rows the
-    four products are cuBLAS GEMMs (with PyTorch's norms and SwiGLU) around the same attention kernel.
+    x [b, t, hidden], cos/sin [b, t, head_dim], write_pos [b, t] int64 on the device: row r uses cache slot r
+    and writes token i's key at write_pos[r, i]. Token i attends the keys below read_len - (t - 1 - i), i.e.
+    not those of the tokens after it, and with `masked=True` only keys <= write_pos[r, i] (mask =
+    arange(read_len) <= write_pos: the talker step). `masked=False` stands for mask=None; for t > 1 the layer
+    then aligns its causal mask top-left (SDPA is_causal), which agrees only when read_len == t (the
+    predictor's first step: positions 0 and 1). A row's positions must increase along t and stay below the
+    cache length (unchecked: that would sync with the host). Returns a new [b, t, hidden] tensor and writes
+    the caches in place.
+
+    The four products take all b·t token rows at once, as `gemv` up to GEMV_MAX_ROWS rows and as cuBLAS GEMMs
+    (with PyTorch's norms and SwiGLU) above. Attention is one launch per token index over strided views;
+    token i reads the keys that the launches of tokens < i wrote, which stream order makes visible.
     """
     b, t, hidden = x.shape
-    if t != 1:
-        raise ValueError(f"decode_layer handles one token per row, got x of shape {tuple(x.shape)}")
     d = layer.head_dim
     kv_heads, n_q = layer.kv_size // d, layer.q_size // d
     if d & (d - 1) or n_q % kv_heads or cache_k.stride() != cache_v.stride() or cache_k.stride(-1) != 1:
@@ -525,45 +574,36 @@ def decode_layer(
     weights = (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
     if any(w.dtype != x.dtype or not w.is_contiguous() for w in weights) or cache_k.dtype != x.dtype:
         raise ValueError("x, the (contiguous) weights and the caches must share one dtype")
-    if write_pos.dtype != torch.int64 or not 1 <= read_len <= cache_k.shape[2]:
-        raise ValueError("write_pos must be int64 and read_len within the cache")
+    if write_pos.dtype != torch.int64 or write_pos.shape != (b, t) or not t <= read_len <= cache_k.shape[2]:
+        raise ValueError("write_pos must be int64 [b, t] and read_len within the cache, at least t")
     dev, dt = x.device, x.dtype
-    x2 = _rows(x)
-    counters = _counters(dev)
+    rows = b * t
+    x2 = x.reshape(rows, hidden)
 
-    gemv_rows = b <= GEMV_MAX_ROWS
+    gemv_rows = rows <= GEMV_MAX_ROWS
     if gemv_rows:
-        qkv = torch.empty(b, layer.w_qkv.shape[0], device=dev, dtype=dt)
+        qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
         gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps)
     else:
         qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
 
-    group = n_q // kv_heads
-    splits, per_split = _kv_splits(b * kv_heads, read_len, dev)
-    attn = torch.empty(b, layer.q_size, device=dev, dtype=dt)
-    partials = torch.empty(b * kv_heads, splits, group, d, device=dev, dtype=torch.float32)
-    stats = torch.empty(b * kv_heads, splits, 2, group, device=dev, dtype=torch.float32)
-    cos2, sin2, pos = _rows(cos), _rows(sin), write_pos[:, 0]
-    _attention_kernel[(b * kv_heads, splits)](
-        qkv, cos2, sin2, pos, layer.q_norm, layer.k_norm, cache_k, cache_v, attn,
-        partials, stats, counters, read_len, per_split, layer.eps, layer.scaling,
-        qkv.stride(0), cos2.stride(0), sin2.stride(0), pos.stride(0),
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), attn.stride(0),
-        Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
-        Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, SPLITS=splits,
-        LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(dt),
-        num_warps=8 if dt == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
-        **_pdl(dev),
-    )
+    attn = torch.empty(b, t, layer.q_size, device=dev, dtype=dt)
+    qkv3 = qkv.view(b, t, -1)
+    for i in range(t):
+        _attention(
+            layer, _token(qkv3, i), _token(cos, i), _token(sin, i), write_pos[:, i], cache_k, cache_v,
+            _token(attn, i), read_len - (t - 1 - i), masked,
+        )
+    attn = attn.view(rows, layer.q_size)
 
     if not gemv_rows:
         x1 = x2 + F.linear(attn, layer.w_o)
         gate, up = F.linear(F.rms_norm(x1, (hidden,), layer.post_norm, layer.eps), layer.w_gate_up).chunk(2, dim=-1)
-        return (x1 + F.linear(F.silu(gate) * up, layer.w_down)).unsqueeze(1)
-    x1 = torch.empty(b, hidden, device=dev, dtype=dt)
+        return (x1 + F.linear(F.silu(gate) * up, layer.w_down)).view(b, t, hidden)
+    x1 = torch.empty(rows, hidden, device=dev, dtype=dt)
     gemv(attn, layer.w_o, x1, residual=x2)
-    act = torch.empty(b, layer.ffn, device=dev, dtype=dt)
+    act = torch.empty(rows, layer.ffn, device=dev, dtype=dt)
     gemv(x1, layer.w_gate_up, act, norm=layer.post_norm, eps=layer.eps, gated=True)
-    out = torch.empty(b, 1, hidden, device=dev, dtype=dt)
-    gemv(act, layer.w_down, out[:, 0], residual=x1)
+    out = torch.empty(b, t, hidden, device=dev, dtype=dt)
+    gemv(act, layer.w_down, out.view(rows, hidden), residual=x1)
     return out

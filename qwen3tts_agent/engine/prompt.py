@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .host import upload
 from .types import TextLayout, VoicePrompt
 
-VOICE_CACHE = 64  # cloned voices whose prompt tensors stay on the device
+K = TypeVar("K")
+V = TypeVar("V")
+
+VOICE_CACHE = 64  # cloned voices, and prompt heads, whose tensors stay on the device
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class PromptBuilder:
         self._dtype = next(talker.parameters()).dtype
         self._role_ids = role_ids
         self._voices: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = collections.OrderedDict()
+        # a head depends on the voice and the language only: callers reuse it, and each build is ~30 launches
+        self._heads: collections.OrderedDict[tuple[object, ...], torch.Tensor] = collections.OrderedDict()
 
     @property
     def tts_eos_id(self) -> int:
@@ -68,10 +74,10 @@ class PromptBuilder:
         return self._codec_embedding(upload(ids, torch.long, self._device))
 
     def _voice(self, clone: VoicePrompt) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A cloned voice's speaker embedding [1, hidden] and reference-code embeddings [frames, hidden]."""
-        cached = self._voices.get(clone.voice_id)
+        """A cloned voice's speaker embedding [1, hidden] and, for ICL, the codec track of its prompt body:
+        codec_bos then the reference codes' embeddings [1 + frames, hidden]."""
+        cached = _lru_get(self._voices, clone.voice_id)
         if cached is not None:
-            self._voices.move_to_end(clone.voice_id)
             return cached
         speaker = upload(clone.speaker_embedding, self._dtype, self._device).view(1, -1)  # type: ignore[arg-type]
         ref = None
@@ -79,14 +85,19 @@ class PromptBuilder:
             codes = upload(clone.ref_codes, torch.long, self._device)  # type: ignore[arg-type]
             parts = [self._codec_embedding(codes[:, 0])]
             parts += [emb(codes[:, i + 1]) for i, emb in enumerate(self._predictor_embeddings)]
-            ref = torch.stack(parts, dim=1).sum(1)
-        self._voices[clone.voice_id] = (speaker, ref)
-        if len(self._voices) > VOICE_CACHE:
-            self._voices.popitem(last=False)
-        return speaker, ref
+            ref = torch.cat([self._codec([self._tcfg.codec_bos_id]), torch.stack(parts, dim=1).sum(1)])
+        return _lru_put(self._voices, clone.voice_id, (speaker, ref))
 
     @torch.inference_mode()
     def head(self, spec: PromptSpec) -> torch.Tensor:
+        """The text-independent prompt part [t, hidden]; shared between requests: do not modify it."""
+        key = (spec.language_id, spec.speaker_id, spec.clone.voice_id if spec.clone else None, spec.instruct_ids)
+        cached = _lru_get(self._heads, key)
+        if cached is not None:
+            return cached
+        return _lru_put(self._heads, key, self._build_head(spec))
+
+    def _build_head(self, spec: PromptSpec) -> torch.Tensor:
         cfg = self._tcfg
         if spec.language_id is None:
             tags = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
@@ -129,7 +140,7 @@ class PromptBuilder:
         tail = [eos] if closed else []
         if spec.icl:
             all_ids = list(spec.ref_text_ids) + text_ids + tail
-            codec = torch.cat([self._codec([cfg.codec_bos_id]), self._voice(spec.clone)[1]])  # type: ignore[arg-type]
+            codec = self._voice(spec.clone)[1]  # type: ignore[arg-type]
             if spec.layout is TextLayout.PREFILL:
                 embeds = torch.cat([
                     self._text(all_ids) + self._codec([cfg.codec_pad_id] * len(all_ids)),
@@ -149,3 +160,17 @@ class PromptBuilder:
             return PromptBody(embeds, [])
         first = self._text(text_ids[:1]) + self._codec([cfg.codec_bos_id])
         return PromptBody(first, text_ids[1:] + tail)
+
+
+def _lru_get(cache: collections.OrderedDict[K, V], key: K) -> V | None:
+    value = cache.get(key)
+    if value is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def _lru_put(cache: collections.OrderedDict[K, V], key: K, value: V) -> V:
+    cache[key] = value
+    if len(cache) > VOICE_CACHE:
+        cache.popitem(last=False)
+    return value

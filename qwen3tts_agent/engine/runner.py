@@ -23,6 +23,10 @@ from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
 
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
+# the rows of the per-slot tables (`ModelRunner.reset_slot`)
+_INT_FIELDS = ("pos", "n_sampled", "step_idx", "text_len", "top_k", "sub_top_k", "seed")
+_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "sub_temperature", "sub_top_p")
+_FLAG_FIELDS = ("do_sample", "sub_do_sample", "forbid_eos")
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class ModelRunner:
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         fused_kernels: bool = True,
     ) -> None:
-        """`fused_kernels`: where Triton can run (a GPU), single-token layers run as the kernels of `kernels.py`
-        and every sampling as one kernel of `sampling_kernel.py`; elsewhere, and for longer inputs, PyTorch."""
+        """`fused_kernels`: where Triton can run (a GPU), the layers of the talker's single-token steps and of
+        every predictor step run as the kernels of `kernels.py`, and every sampling as one kernel of
+        `sampling_kernel.py`; elsewhere, and for prompts, PyTorch."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -99,27 +104,29 @@ class ModelRunner:
         self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
 
         long = dict(device=dev, dtype=torch.int64)
+        # Per-slot scalars live in three tables, one row per field, so that resetting a slot is one
+        # asynchronous upload per table (`reset_slot`); each field is a contiguous [max_slots] row view.
+        self._slot_ints = torch.zeros(len(_INT_FIELDS), max_slots, **long)
+        self._slot_floats = torch.ones(len(_FLOAT_FIELDS), max_slots, device=dev)
+        self._slot_flags = torch.zeros(len(_FLAG_FIELDS), max_slots, device=dev, dtype=torch.bool)
+        ints = dict(zip(_INT_FIELDS, self._slot_ints.unbind(0), strict=True))
+        floats = dict(zip(_FLOAT_FIELDS, self._slot_floats.unbind(0), strict=True))
+        flags = dict(zip(_FLAG_FIELDS, self._slot_flags.unbind(0), strict=True))
         # per-slot decode state
-        self.pos = torch.zeros(max_slots, **long)  # next talker cache position
+        self.pos = ints["pos"]  # next talker cache position
+        self.n_sampled = ints["n_sampled"]  # codebook-0 tokens sampled so far
+        self.step_idx = ints["step_idx"]  # frames produced = index into the text track
+        self.text_len = ints["text_len"]
         self.code0 = torch.zeros(max_slots, **long)  # last sampled codebook-0 token
-        self.n_sampled = torch.zeros(max_slots, **long)  # codebook-0 tokens sampled so far
-        self.step_idx = torch.zeros(max_slots, **long)  # frames produced = index into the text track
         self.past_hidden = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
         self.seen = torch.zeros(max_slots, self.vocab_size, device=dev, dtype=torch.bool)
         self.text_ids = torch.full((max_slots, max_text_tokens), self.tts_pad_id, **long)
-        self.text_len = torch.zeros(max_slots, **long)
         # per-slot sampling parameters
-        self.do_sample = torch.zeros(max_slots, device=dev, dtype=torch.bool)
-        self.temperature = torch.ones(max_slots, device=dev)
-        self.top_k = torch.zeros(max_slots, **long)
-        self.top_p = torch.ones(max_slots, device=dev)
-        self.repetition_penalty = torch.ones(max_slots, device=dev)
-        self.sub_do_sample = torch.zeros(max_slots, device=dev, dtype=torch.bool)
-        self.sub_temperature = torch.ones(max_slots, device=dev)
-        self.sub_top_k = torch.zeros(max_slots, **long)
-        self.sub_top_p = torch.ones(max_slots, device=dev)
-        self.seed = torch.zeros(max_slots, **long)
-        self.forbid_eos = torch.zeros(max_slots, device=dev, dtype=torch.bool)
+        self.do_sample, self.sub_do_sample, self.forbid_eos = flags["do_sample"], flags["sub_do_sample"], flags["forbid_eos"]
+        self.temperature, self.top_p, self.top_k = floats["temperature"], floats["top_p"], ints["top_k"]
+        self.sub_temperature, self.sub_top_p, self.sub_top_k = floats["sub_temperature"], floats["sub_top_p"], ints["sub_top_k"]
+        self.repetition_penalty = floats["repetition_penalty"]
+        self.seed = ints["seed"]
         # step inputs and outputs
         self.active = torch.zeros(max_slots, device=dev, dtype=torch.bool)
         self.frame_codes = torch.zeros(max_slots, self.num_groups, **long)
@@ -135,24 +142,26 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:
-        """Clear a slot's state and set its sampling parameters (keys as in `SamplingParams`)."""
-        self.pos[slot] = 0
-        self.n_sampled[slot] = 0
-        self.step_idx[slot] = 0
-        self.seen[slot] = False
-        self.text_len[slot] = 0
-        self.text_ids[slot] = self.tts_pad_id
-        self.do_sample[slot] = bool(sampling["do_sample"])
-        self.temperature[slot] = float(sampling["temperature"])
-        self.top_k[slot] = min(max(int(sampling["top_k"]), 1), self.top_k_cap)
-        self.top_p[slot] = float(sampling["top_p"])
-        self.repetition_penalty[slot] = float(sampling["repetition_penalty"])
-        self.sub_do_sample[slot] = bool(sampling["subtalker_do_sample"])
-        self.sub_temperature[slot] = float(sampling["subtalker_temperature"])
-        self.sub_top_k[slot] = min(max(int(sampling["subtalker_top_k"]), 1), self.top_k_cap)
-        self.sub_top_p[slot] = float(sampling["subtalker_top_p"])
-        self.seed[slot] = int(sampling["seed"])
-        self.forbid_eos[slot] = bool(sampling["ignore_eos"])
+        """Clear a slot's state and set its sampling parameters (keys as in `SamplingParams`).
+
+        Only asynchronous uploads and fills: `tensor[i] = number` would copy from pageable memory, which
+        waits for everything queued on the stream.
+        """
+        fields = {
+            "pos": 0, "n_sampled": 0, "step_idx": 0, "text_len": 0,
+            "top_k": min(max(int(sampling["top_k"]), 1), self.top_k_cap),
+            "sub_top_k": min(max(int(sampling["subtalker_top_k"]), 1), self.top_k_cap),
+            "seed": int(sampling["seed"]),
+            "temperature": float(sampling["temperature"]), "top_p": float(sampling["top_p"]),
+            "repetition_penalty": float(sampling["repetition_penalty"]),
+            "sub_temperature": float(sampling["subtalker_temperature"]), "sub_top_p": float(sampling["subtalker_top_p"]),
+            "do_sample": bool(sampling["do_sample"]), "sub_do_sample": bool(sampling["subtalker_do_sample"]),
+            "forbid_eos": bool(sampling["ignore_eos"]),
+        }
+        for table, names in ((self._slot_ints, _INT_FIELDS), (self._slot_floats, _FLOAT_FIELDS), (self._slot_flags, _FLAG_FIELDS)):
+            table[:, slot] = upload([fields[name] for name in names], table.dtype, self.device)
+        self.seen[slot].zero_()
+        self.text_ids[slot].fill_(self.tts_pad_id)
 
     def append_text(self, slot: int, start: int, ids: list[int]) -> None:
         """Make more text-track tokens available to a slot (ids may end with tts_eos)."""
@@ -160,7 +169,7 @@ class ModelRunner:
         if end > self.max_text_tokens:
             raise ValueError(f"text track longer than {self.max_text_tokens} tokens")
         self.text_ids[slot, start:end] = upload(ids, torch.int64, self.device)
-        self.text_len[slot] = end
+        self.text_len[slot].fill_(end)  # a fill, not a (synchronising) copy from a host scalar
 
     # ----------------------------------------------------------------- the model maths
     def text_track_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
@@ -176,8 +185,10 @@ class ModelRunner:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
-        # the frame step's talker: rows are slots 0..b-1 and the mask is "keys up to the written position"
-        fused = isinstance(read_rows, slice) and read_rows == slice(0, x.shape[0]) and self._use_kernels(x)
+        # the frame step's talker: one token per row, rows are slots 0..b-1, the mask is "keys up to the
+        # written position"; prompts (many tokens, their own masks) stay on the PyTorch layers
+        frame_step = x.shape[1] == 1 and isinstance(read_rows, slice) and read_rows == slice(0, x.shape[0])
+        fused = self.fused_kernels and frame_step
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             if fused:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
@@ -185,19 +196,17 @@ class ModelRunner:
                 x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
         return self.norm(x)
 
-    def _use_kernels(self, x: torch.Tensor) -> bool:
-        return self.fused_kernels and x.shape[1] == 1
-
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
+        """Predictor layers on x [b, t, hidden] at cache positions start..start+t-1, each token attending the
+        keys up to its own (t = 2 on the first step, then 1); returns the last token's state [b, hidden]."""
         t = x.shape[1]
         x = self.p_in_proj(x)
         cos = self.p_cos[start : start + t].expand(b, t, -1)
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
         pos = self._predictor_positions[start : start + t].expand(b, t)
-        fused = self._use_kernels(x)
         for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
-            if fused:
+            if self.fused_kernels:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, pos, start + t, masked=False)
             else:
                 x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
@@ -205,7 +214,7 @@ class ModelRunner:
 
     def _predictor_logits(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """Head j on the final norm of the predictor's last hidden state x [b, hidden] (one kernel when fused)."""
-        if not self._use_kernels(x.unsqueeze(1)) or x.shape[0] > kernels.GEMV_MAX_ROWS:
+        if not self.fused_kernels or x.shape[0] > kernels.GEMV_MAX_ROWS:
             return self.p_heads[j](self.p_norm(x))
         head = self.p_heads[j].weight
         logits = torch.empty(x.shape[0], head.shape[0], device=x.device, dtype=x.dtype)

@@ -8,6 +8,10 @@ top-k, applies temperature, top-k and top-p exactly as `warp_candidates` does, a
 the same (seed, counter, token id) hash, evaluated for those candidates only. Launch shapes depend only on
 (rows, vocab, cap) and nothing synchronises with the host, so the call can be captured in a CUDA graph.
 
+The sort keys carry the score above the token id. Scores that are bf16 logits untouched by a penalty (the
+code predictor's) have only 16 significant bits, so their keys fit in int32, which sorts faster than the
+int64 keys that fp32 scores need.
+
 Equal scores are ordered by ascending token id: greedy rows return the lowest id among the maxima (as
 torch.argmax does), and candidates are ranked by descending score, then ascending id. torch.topk leaves the
 order of ties unspecified, so with ties the top-k boundary and the top-p cut may differ from the PyTorch
@@ -66,17 +70,30 @@ def _draw(
     VP: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,
+    KEY32: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """Gumbel-max over the warped top-K candidates of the scores s [VP] (-inf padded): the token id."""
-    # sort keys: an order-preserving int32 image of the score above the inverted token id, so that one
-    # descending int64 sort ranks by score, then by ascending id
+    """Gumbel-max over the warped top-K candidates of the scores s [VP] (-inf padded): the token id.
+
+    KEY32: every score is a bf16 value (the low 16 bits of its fp32 image are zero).
+    """
+    # sort keys: an order-preserving image of the score above the inverted token id, so that one descending
+    # sort ranks by score, then by ascending id
     bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = tl.topk((bits.to(tl.int64) << 32) | (VP - 1 - tl.arange(0, VP)), KP)
-    high = (keys >> 32).to(tl.int32)
-    value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
-    token = VP - 1 - keys.to(tl.int32)
+    inverted_id = VP - 1 - tl.arange(0, VP)
+    if KEY32:
+        high = bits >> 16
+        high = tl.where(high < 0, high ^ 0x7FFF, high)
+        keys = tl.topk((high << 16) | inverted_id, KP)
+        high = keys >> 16
+        value = (tl.where(high < 0, high ^ 0x7FFF, high) << 16).to(tl.float32, bitcast=True)
+        token = VP - 1 - (keys & 0xFFFF)
+    else:
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        keys = tl.topk((bits.to(tl.int64) << 32) | inverted_id, KP)
+        high = (keys >> 32).to(tl.int32)
+        value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+        token = VP - 1 - keys.to(tl.int32)
     # warp_candidates: temperature, top-k, then drop a candidate whose better-ranked mass reaches top_p
     rank = tl.arange(0, KP)
     logit = tl.math.div_rn(value, tl.load(temperature_ptr + row))
@@ -120,6 +137,7 @@ def _sample_kernel(
     PENALTY: tl.constexpr,
     SUPPRESS: tl.constexpr,
     EOS: tl.constexpr,
+    KEY32: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     """out[row] = the sampled (or argmax) token of scores[row] after the optional talker processors."""
@@ -137,7 +155,7 @@ def _sample_kernel(
         s = tl.where((idx == eos_id) & (tl.load(eos_blocked_ptr + row) != 0), float("-inf"), s)
     if tl.load(do_sample_ptr + row) != 0:
         token = _draw(
-            s, row, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, counter_ptr, VP, K, KP, LIBDEVICE
+            s, row, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, counter_ptr, VP, K, KP, KEY32, LIBDEVICE
         )
     else:
         token = tl.argmax(s, 0, tie_break_left=True).to(tl.int64)
@@ -192,6 +210,7 @@ def fused_sample(
         PENALTY=seen is not None,
         SUPPRESS=suppress is not None,
         EOS=eos_blocked is not None,
+        KEY32=scores.dtype == torch.bfloat16 and seen is None and vp <= 1 << 16,
         LIBDEVICE=not _interpreting(),
         num_warps=max(1, min(8, vp // 512)),  # about 16 sort keys per thread
     )
