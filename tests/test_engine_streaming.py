@@ -247,3 +247,31 @@ def test_a_full_kv_cache_ends_the_stream_cleanly() -> None:
         assert again.frames == 3
     finally:
         engine.close()
+
+
+def test_slot_set_up_copies_no_host_scalar(engine: Engine) -> None:
+    """Setting up a slot writes no Python number into a tensor (`t[i] = x`): on a GPU that is a copy from
+    pageable memory, which waits for every step queued on the stream (it once held the loaded engine's thread
+    for 16% of its time). Uploads and fills are asynchronous."""
+    from dataclasses import asdict
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scalar_copies: list[tuple[int, ...]] = []
+
+    class Spy(TorchDispatchMode):  # thread-local: sees this thread's ops only, not the engine thread's
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and args[1].dim() == 0:
+                scalar_copies.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    runner, slot = engine._runner, engine.max_streams - 1  # idle between tests: no stream holds this slot
+    with Spy():
+        runner.reset_slot(slot, asdict(SamplingParams(seed=5, top_k=7, temperature=0.7)))
+        runner.append_text(slot, 0, [11, 12, 13])
+        engine._codec.reset(slot)
+    assert scalar_copies == []
+    assert runner.top_k[slot] == 7 and runner.seed[slot] == 5 and runner.text_len[slot] == 3
+    assert abs(float(runner.temperature[slot]) - 0.7) < 1e-6 and runner.pos[slot] == 0
+    assert runner.text_ids[slot, :4].tolist() == [11, 12, 13, runner.tts_pad_id]
