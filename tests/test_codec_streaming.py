@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder
+from qwen3tts_agent.engine.codec import StreamingCodecDecoder, _phase_split_conv
 from qwen3tts_agent.engine.cuda_graphs import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
@@ -223,3 +223,24 @@ def test_synthetic_tiny_speech_tokenizer_matches_official_decode():
     codec.prime(0, codes[:20])
     audio = _stream(codec, [0], codes[None, 20:], _schedule(frames - 20, [1, 2, 4, 8]))
     assert np.abs(audio[0].numpy() - wavs[0][20 * SPF :]).max() < TOLERANCE
+
+
+@pytest.mark.parametrize(("channels", "out", "kernel", "dilation", "length"), [
+    (8, 5, 7, 9, 200), (8, 8, 7, 9, 55), (4, 4, 7, 3, 31), (6, 6, 3, 2, 9), (5, 3, 7, 9, 55),
+])
+def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kernel: int, dilation: int, length: int) -> None:
+    """The dilated conv run undilated over its phases gives the same output, whatever the length's remainder."""
+    torch.manual_seed(dilation * length)
+    conv = torch.nn.Conv1d(channels, out, kernel, dilation=dilation).double()
+    x = torch.randn(3, channels, length, dtype=torch.double)
+    with torch.no_grad():
+        expected, got = conv(x), _phase_split_conv(conv, x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+
+
+def test_phase_split_covers_the_decoders_widest_dilations(decoder: torch.nn.Module) -> None:
+    """The streaming tests above run the split path: the decoder's dilation-9 convolutions take it."""
+    codec = StreamingCodecDecoder(decoder, max_streams=1)
+    dilations = sorted(module.conv.dilation[0] for module in codec._phase_split)
+    assert dilations and set(dilations) == {9}

@@ -38,7 +38,7 @@ def _case_activation(dtype_name: str) -> dict[str, Any]:
     """[2, 5, 1500] (time not a whole number of blocks), and a channel slice of a wider tensor (strided)."""
     import torch
 
-    from qwen3tts_agent.engine.snake_kernel import SnakeBeta
+    from qwen3tts_agent.engine.snake_kernel import FusedSnakeBeta
 
     dtype = getattr(torch, dtype_name)
     module = _module(5, dtype)
@@ -46,7 +46,7 @@ def _case_activation(dtype_name: str) -> dict[str, Any]:
     out = {}
     for name, x in (("contiguous", wide[:, :5].contiguous()), ("strided", wide[:, 2:7])):
         with torch.no_grad():
-            expected, got = module(x).float(), SnakeBeta(module)(x).float()
+            expected, got = module(x).float(), FusedSnakeBeta(module)(x).float()
         # x + bump may cancel: count units in the last place of the larger operand
         ulp = torch.finfo(dtype).eps * torch.maximum(x.float().abs(), expected.abs()).clamp(min=1e-3)
         out[name] = {

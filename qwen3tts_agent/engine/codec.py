@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .host import upload
-from .snake_kernel import SnakeBeta
+from .snake_kernel import FusedSnakeBeta
 
 
 class _History:
@@ -54,6 +54,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+# Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
+# (`_phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/bench_codec_convs.py).
+PHASE_SPLIT_MIN_DILATION = 9
+
+
+def _phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases.
+
+    Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
+    ordinary convolution's input: the phases go into the batch, and their outputs interleave back. The sums
+    are the same; only their order inside the convolution kernel may differ.
+    """
+    d, k = conv.dilation[0], conv.kernel_size[0]
+    batch, channels, length = x.shape
+    out_len = length - (k - 1) * d
+    steps = -(-out_len // d) + k - 1  # per phase, padded so that every phase has whole outputs
+    phases = F.pad(x, (0, d * steps - length)).view(batch, channels, steps, d)
+    phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, steps)
+    y = F.conv1d(phases, conv.weight, conv.bias)  # [batch * d, out, steps - k + 1]
+    y = y.view(batch, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(batch, y.shape[1], -1)
+    return y[..., :out_len].contiguous()
 
 
 class StreamingCodecDecoder:
@@ -96,9 +119,14 @@ class StreamingCodecDecoder:
             self._kv.append((_History(self._zeros(*shape), dim=2), _History(self._zeros(*shape), dim=2)))
         self._positions = torch.zeros(max_streams, dtype=torch.long, device=self.device)
         self.prime_frames = self._audio_lookback()
+        self._phase_split = {
+            module for module in self._convs
+            if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
+            and module.conv.stride[0] == 1 and module.conv.groups == 1
+        }
         # the audio-rate activations, fused where Triton runs (the largest elementwise work of a decode)
         self._snakes = {
-            module: SnakeBeta(module) for module in decoder.decoder.modules() if type(module).__name__ == "SnakeBeta"
+            module: FusedSnakeBeta(module) for module in decoder.decoder.modules() if type(module).__name__ == "SnakeBeta"
         }
 
     def _zeros(self, *shape: int) -> torch.Tensor:
@@ -237,7 +265,8 @@ class StreamingCodecDecoder:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""
         history = self._convs[module]
         conv = module.conv
-        y = conv(history.extend(slots, x))
+        full = history.extend(slots, x)
+        y = _phase_split_conv(conv, full) if module in self._phase_split else conv(full)
         if isinstance(conv, nn.ConvTranspose1d):
             # Outputs of the history samples are already out; those past the chunk wait for the next input.
             stride = conv.stride[0]

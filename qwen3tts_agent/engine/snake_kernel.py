@@ -1,9 +1,10 @@
 """The codec's SnakeBeta activation, x + 1/β · sin²(αx), as one Triton pass instead of five.
 
-The official module runs five full-size elementwise kernels (x·α, sin, square, ·1/β, +x), most of them
-broadcasting [1, C, 1] against [B, C, T] with PyTorch's slow strided path; in the audio-rate half of the
-decoder, where the tensors are largest, they took half of a batched decode's GPU time on an H200
-(benchmarks/results/2026-11-30-h200/). Here one program per (row, time block) reads x once and writes once.
+The official module runs five full-size elementwise kernels (x·α, sin, square, ·1/β, +x), two of them
+broadcasting [1, C, 1] against [B, C, T] on PyTorch's slow strided path. The decoder's elementwise kernels,
+mostly these, took 10 of the 20 ms of a 32-stream × 8-frame decode on an H200; with one pass per activation
+the decode took 15 ms (benchmarks/results/2026-11-30-h200/). Here one program per (row, time block) reads x
+once and writes once.
 
 Each intermediate is rounded to the model dtype where the module's kernels store it, and fp32 products are
 not contracted into FMAs, so the result equals the module's.
@@ -23,7 +24,7 @@ try:
 except ImportError:  # keeps the module importable without triton; available() reports False
     triton = None
 
-__all__ = ["SnakeBeta"]
+__all__ = ["FusedSnakeBeta"]
 
 BLOCK = 1024  # time steps per program
 
@@ -54,8 +55,8 @@ def _snake_kernel(
     tl.store(out_ptr + row.to(tl.int64) * length + t, (xf + bump).to(dt), mask=ok)
 
 
-class SnakeBeta:
-    """A fused stand-in for one official `SnakeBeta` module (its parameters read once, at construction)."""
+class FusedSnakeBeta:
+    """A one-kernel stand-in for one official `SnakeBeta` module (its parameters read once, at construction)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
