@@ -712,9 +712,9 @@ class Engine:
         kv_len = max(r.position for r in rows) + 1
         host = self._host_buffers[self._step_parity]
         self._step_parity ^= 1
-        host.active.zero_()
-        for r in rows:
-            host.active[r.slot] = True
+        active = host.active.numpy()  # the pinned buffer itself: one numpy write, not a tensor op per row
+        active[:] = False
+        active[[r.slot for r in rows]] = True
         runner.active.copy_(host.active, non_blocking=True)
         if self._graphs is not None and self._graphs.captured:
             b, kv_len = self._graphs.bucket(b, kv_len)
