@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -240,10 +241,11 @@ def time_stack(fn: Callable[[], torch.Tensor], device: torch.device, replays: in
 
 @torch.inference_mode()
 def bench(
-    model: Model, dtype: torch.dtype, device: torch.device, batches: tuple[int, ...], replays: int, stack_warps: tuple[int, ...]
+    model: Model, dtype: torch.dtype, device: torch.device, batches: tuple[int, ...], replays: int,
+    stack_programs: tuple[int, ...], stack_warps: tuple[int, ...],
 ) -> list[dict[str, Any]]:
     """Per (b, read_len): one frame's stack of layer calls, PyTorch vs Triton layer by layer vs the persistent
-    stack kernel (for each of `stack_warps` warps per program), each as one CUDA graph."""
+    stack kernel (for each of `stack_programs` programs per SM x `stack_warps` warps), each as one CUDA graph."""
     from qwen3tts_agent.engine.stack_kernel import MAX_ROWS, DecodeStack
 
     log(f"building {model.layers} {model.name} layers ({dtype})")
@@ -262,11 +264,17 @@ def bench(
                 result[f"{name}_us"] = 1e6 * time_stack(stack, device, replays)
             result["speedup"] = result["torch_us"] / result["triton_us"]
             if b <= MAX_ROWS:
-                for warps in stack_warps:
-                    stack = DecodeStack(layers, [k for k, _ in caches], [v for _, v in caches], num_warps=warps)
+                for per_sm, warps in itertools.product(stack_programs, stack_warps):
+                    stack = DecodeStack(layers, [k for k, _ in caches], [v for _, v in caches], programs_per_sm=per_sm,
+                                        num_warps=warps)
                     fn = functools.partial(stack_steps, stack, step, model.calls)
-                    result[f"stack_w{warps}_us"] = 1e6 * time_stack(fn, device, replays)
-                    result[f"stack_w{warps}_timed_out"] = stack.barrier_timed_out()
+                    name = f"stack_p{per_sm}_w{warps}"
+                    try:
+                        result[f"{name}_us"] = 1e6 * time_stack(fn, device, replays)
+                    except ValueError as e:  # cannot all be resident
+                        log(f"  {name}: {e}")
+                        continue
+                    result[f"{name}_timed_out"] = stack.barrier_timed_out()
             rows.append(result)
             stacks = "  ".join(f"{k} {v:8.1f}" for k, v in result.items() if k.startswith("stack_") and k.endswith("_us"))
             log(f"time {model.name} b={b:2d} len={read_len:4d}: torch {result['torch_us']:8.1f} us  triton "
@@ -286,6 +294,7 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--no-fp32-timing", action="store_true", help="time bf16 only (fp32 is still checked)")
     parser.add_argument("--stack-warps", type=int, nargs="+", default=[8], help="warps per program of the stack kernel")
+    parser.add_argument("--stack-programs", type=int, nargs="+", default=[1], help="programs per SM of the stack kernel")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
@@ -317,7 +326,7 @@ def main() -> int:
             report["checks"] += check(model, dtype, device, batches)
             report["checks"] += check_stack(model, dtype, device, batches)
         for dtype in timing_dtypes:
-            report["timings"] += bench(model, dtype, device, batches, replays, tuple(args.stack_warps))
+            report["timings"] += bench(model, dtype, device, batches, replays, tuple(args.stack_programs), tuple(args.stack_warps))
 
     print(f"\n{'model':14} {'dtype':9} {'b':>3} {'len':>5} {'torch us':>10} {'triton us':>10} {'speedup':>8}")
     for r in report["timings"]:

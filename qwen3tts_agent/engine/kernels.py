@@ -166,15 +166,16 @@ def _grid_arrive(bar_ptr):
 def _grid_wait(bar_ptr, target):
     """Wait until `target` arrivals have been counted, then see every store released before them.
 
-    A wait that spins far longer than any step could take gives up and sets bar_ptr[2], so that a missing
-    program shows as a flag rather than a hung GPU.
+    A wait that spins far longer than any step could take gives up: it sets bar_ptr[2] and lifts the count
+    past every later target, so that a missing program shows as a flag rather than a hung GPU.
     """
-    MAX_SPINS: tl.constexpr = 1 << 24  # polls: seconds
+    MAX_SPINS: tl.constexpr = 1 << 20  # polls: about a second
     spins = 0
     while (tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < MAX_SPINS):
         spins += 1
     if spins == MAX_SPINS:
         tl.store(bar_ptr + 2, 1)
+        tl.atomic_add(bar_ptr, 1 << 30, sem="relaxed", scope="gpu")
     tl.debug_barrier()
 
 

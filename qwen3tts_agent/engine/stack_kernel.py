@@ -229,6 +229,7 @@ class DecodeStack:
         caches_k: Sequence[torch.Tensor],
         caches_v: Sequence[torch.Tensor],
         *,
+        programs_per_sm: int = 1,
         num_warps: int = 8,
     ) -> None:
         first = layers[0]
@@ -245,7 +246,8 @@ class DecodeStack:
                       for lay, k, v in zip(layers, caches_k, caches_v, strict=True)]
         self.table = torch.tensor(rows_table, dtype=torch.int64, device=dev)
         # one program per SM; the interpreter pays per program, so it deals the same items to a few
-        self.programs = kernels._sm_count(dev) if dev.type == "cuda" else _INTERPRETER_PROGRAMS
+        self.programs = programs_per_sm * kernels._sm_count(dev) if dev.type == "cuda" else _INTERPRETER_PROGRAMS
+        self._resident: set[tuple] = set()  # launch configurations checked by `_check_resident`
         qkv_n = first.q_size + 2 * first.kv_size
         products = {  # (outputs, inputs, gated) of the four products
             "QKV": (qkv_n, self.hidden, False), "O": (self.hidden, first.q_size, False),
@@ -295,19 +297,42 @@ class DecodeStack:
             **{k: v for prefix, t in self.tiles.items() for k, v in t.constants(prefix).items()},
         )
 
-        def launch(layer_begin: int, layer_end: int, **launch_constants: object) -> None:
-            _stack_kernel[(self.programs,)](
+        def launch(layer_begin: int, layer_end: int, warmup: bool = False, **launch_constants: object) -> object:
+            """Launch, or with `warmup` only compile, layers [layer_begin, layer_end)."""
+            args = (
                 self.table, x, self.h, self.qkv, self.attn, self.x1, self.act, cos, sin, write_pos,
                 self.partials, self.attn_partials, self.attn_stats, kernels._counters(x.device), self.barrier,
                 b, read_len, per_split, first.eps, first.scaling, layer_begin, layer_end,
                 cos.stride(0), sin.stride(0), write_pos.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
-                **constants, **launch_constants,
             )
+            if warmup:
+                return _stack_kernel.warmup(*args, grid=(self.programs,), **constants, **launch_constants)
+            return _stack_kernel[(self.programs,)](*args, **constants, **launch_constants)
 
         if _interpreting():
             for layer in range(len(self.layers)):
                 for phase in range(_PHASES):
                     launch(layer, layer + 1, PHASE=phase, PDL=False)
         else:
+            key = tuple(sorted(constants.items()))
+            if key not in self._resident:
+                self._check_resident(launch(0, len(self.layers), PHASE=-1, warmup=True, **kernels._pdl(x.device)))
+                self._resident.add(key)
             launch(0, len(self.layers), PHASE=-1, **kernels._pdl(x.device))
         return self.h[(len(self.layers) - 1) % 2, :b]
+
+    def _check_resident(self, kernel: object) -> None:
+        """Refuse a grid whose programs could not all be resident at once: its barriers would never be met."""
+        kernel._init_handles()  # type: ignore[attr-defined]
+        props = torch.cuda.get_device_properties(self.device)
+        regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # type: ignore[attr-defined]  # allocated per warp in 256s
+        per_sm = min(
+            getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * self.num_warps),
+            props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024),  # type: ignore[attr-defined]
+            props.max_threads_per_multi_processor // (32 * self.num_warps),
+        )
+        if self.programs > per_sm * props.multi_processor_count:
+            raise ValueError(
+                f"{self.programs} programs of {self.num_warps} warps cannot all be resident: {per_sm} per SM fit "
+                f"({kernel.n_regs} registers, {kernel.metadata.shared} B shared memory each)"  # type: ignore[attr-defined]
+            )
