@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import platform
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from benchmarks.bench_kernels import time_stack  # noqa: E402
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
 from qwen3tts_agent.engine import kernels  # noqa: E402
-from qwen3tts_agent.engine.runner import ModelRunner  # noqa: E402
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "
@@ -194,50 +192,29 @@ async def cancel_latency(engine: Engine, voice: Voice, background: int, trials: 
             "cancel_ms_max": max(latencies), "chunks_after_cancel": sum(frames_after)}
 
 
-@contextlib.contextmanager
-def layer_path(runner: ModelRunner, path: str) -> Iterator[None]:
-    """Run the runner's layers one way for a while: "stacks" (persistent stack kernels, where built),
-    "layers" (the Triton kernels layer by layer) or "torch" (PyTorch layers)."""
-    saved = runner.fused_kernels, runner.talker_stack, runner.predictor_stack
-    runner.fused_kernels = path != "torch"
-    if path != "stacks":
-        runner.talker_stack = runner.predictor_stack = None
-    try:
-        yield
-    finally:
-        runner.fused_kernels, runner.talker_stack, runner.predictor_stack = saved
-
-
-def layer_paths(runner: ModelRunner) -> list[str]:
-    """The layer paths this runner can take, its own first."""
-    if not runner.fused_kernels:
-        return ["torch"]
-    return (["stacks"] if runner.talker_stack is not None else []) + ["layers", "torch"]
-
-
 def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> dict[str, dict[str, float]]:
     """GPU time of one whole-frame graph replay, and of its two halves, per batch bucket (events, median).
 
-    Timed on every layer path the runner has (`layer_paths`): `*_ms` is its own, `*_layers_ms` the Triton
-    kernels layer by layer, `*_torch_ms` the PyTorch layers.
+    With the Triton layer kernels on, the same graphs are also timed on the PyTorch layer path (`*_torch_ms`).
     """
     runner = engine._runner
-    paths = layer_paths(runner)
+    fused = runner.fused_kernels
     out: dict[str, dict[str, float]] = {}
     saved_active = runner.active.clone()
     runner.active.zero_()  # every row inactive: the same work, but no slot's state moves
     for b in sizes:
         row = {}
-        for path in paths:
-            suffix = "_ms" if path == paths[0] else f"_{path}_ms"
-            with layer_path(runner, path):
-                for name, fn in {
-                    "frame": lambda b=b: runner.frame_step(b, kv_len),
-                    "predictor_15_steps": lambda b=b: runner.predict_codes(b),
-                    "talker_step": lambda b=b: runner.talker_step(b, kv_len),
-                }.items():
-                    with torch.inference_mode():
-                        row[name + suffix] = 1000 * time_stack(fn, engine.device, reps)
+        for kernels_on in (True, False) if fused else (False,):
+            runner.fused_kernels = kernels_on
+            suffix = "_ms" if kernels_on == fused else "_torch_ms"
+            for name, fn in {
+                "frame": lambda b=b: runner.frame_step(b, kv_len),
+                "predictor_15_steps": lambda b=b: runner.predict_codes(b),
+                "talker_step": lambda b=b: runner.talker_step(b, kv_len),
+            }.items():
+                with torch.inference_mode():
+                    row[name + suffix] = 1000 * time_stack(fn, engine.device, reps)
+        runner.fused_kernels = fused
         out[str(b)] = row
         log(f"  graph batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     runner.active.copy_(saved_active)
@@ -351,8 +328,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
-                        fused_kernels=args.fused_kernels,
-                        persistent_stacks=args.persistent_stacks)
+                        fused_kernels=args.fused_kernels)
         engine.warmup(progress=False)
         voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
         singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
@@ -366,11 +342,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         if cuda:
             report["fused_kernels"] = engine._runner.fused_kernels
             report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
+            fused = engine._runner.fused_kernels
             report["kernel_breakdown_b1"] = {}
-            for path in layer_paths(engine._runner):
-                with layer_path(engine._runner, path):
-                    report["kernel_breakdown_b1"][path] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
-                log(f"kernels of one frame, {path}: {json.dumps(report['kernel_breakdown_b1'][path])}")
+            for kernels_on in (True, False) if fused else (False,):
+                engine._runner.fused_kernels = kernels_on
+                name = "triton_layers" if kernels_on else "torch_layers"
+                report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
+                log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
+            engine._runner.fused_kernels = fused
         engine.close()
         del engine
 
@@ -378,8 +357,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         return report
     # --- many streams on one engine
     engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
-                    fused_kernels=args.fused_kernels,
-                        persistent_stacks=args.persistent_stacks)
+                    fused_kernels=args.fused_kernels)
     started = time.perf_counter()
     engine.warmup(progress=True)
     report["warmup_s"] = time.perf_counter() - started
@@ -456,8 +434,6 @@ def main() -> None:
                         help="decode audio on the frame steps' CUDA stream")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                         help="PyTorch layers instead of the Triton decode kernels")
-    parser.add_argument("--no-persistent-stacks", dest="persistent_stacks", action="store_false",
-                        help="the Triton kernels layer by layer instead of one persistent launch per stack")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--smoke", action="store_true", help="a short GPU run that exercises every path")

@@ -1,10 +1,10 @@
 """Check and time the Triton decode-layer kernels against the PyTorch `FusedDecoderLayer` path.
 
 On CUDA: builds official decoder layers with random weights at the real shapes (0.6B talker, code predictor,
-1.7B talker), checks the Triton paths (layer by layer, and the persistent stack kernel) against the PyTorch
-path in bf16 and fp32 (output and KV cache), then times them inside CUDA graphs: one graph holds a whole
-stack of layer calls (28 talker layers; 15 steps x 5 predictor layers), distinct weights per layer so that
-they stream from HBM as in a real frame, and the median of many replays is reported. Writes a JSON report.
+1.7B talker), checks the Triton path against the PyTorch path in bf16 and fp32 (output and KV cache), then
+times both inside CUDA graphs: one graph holds a whole stack of layer calls (28 talker layers; 15 steps x 5
+predictor layers), distinct weights per layer so that they stream from HBM as in a real frame, and the median
+of many replays is reported. Writes a JSON report.
 
     python benchmarks/bench_kernels.py --out kernels.json
     python benchmarks/bench_kernels.py --smoke     # CPU, TRITON_INTERPRET=1, tiny shapes, no timing claims
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import statistics
@@ -128,14 +127,6 @@ def triton_layer(layer: Any, x: torch.Tensor, step: Step, ck: torch.Tensor, cv: 
     return kernels.decode_layer(layer, x, step.cos, step.sin, ck, cv, step.write_pos, step.read_len, masked=step.mask is not None)
 
 
-def stack_steps(stack: Any, step: Step, calls: int) -> torch.Tensor:
-    """One frame's layer calls as persistent stack launches (each runs every distinct layer once)."""
-    x = step.x[:, 0]
-    for _ in range(calls // len(stack.layers)):
-        x = stack(x, step.cos[:, 0], step.sin[:, 0], step.write_pos[:, 0], step.read_len, masked=step.mask is not None)
-    return x
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
@@ -166,35 +157,6 @@ def check(model: Model, dtype: torch.dtype, device: torch.device, batches: tuple
                             "read_len": read_len, **errors, "untouched": untouched, "ok": ok})
             log(f"check {model.name} {results[-1]['dtype']} b={b} len={read_len}: out {errors['out']:.1e} "
                 f"k {errors['k']:.1e} v {errors['v']:.1e} untouched={untouched} -> {'ok' if ok else 'FAIL'}")
-    return results
-
-
-@torch.inference_mode()
-def check_stack(model: Model, dtype: torch.dtype, device: torch.device, batches: tuple[int, ...]) -> list[dict[str, Any]]:
-    """The persistent stack kernel against the PyTorch layers, over every distinct layer once: output, every
-    layer's cache, and the barrier never gave up."""
-    from qwen3tts_agent.engine.stack_kernel import MAX_ROWS, DecodeStack
-
-    layers = build_layers(model, model.layers, dtype, device)
-    max_len = max(model.read_lens)
-    results = []
-    for b in [b for b in batches if b <= MAX_ROWS]:
-        for read_len in model.read_lens:
-            step = make_step(model, b, read_len, max_len, dtype, device)
-            shape = (b + 1, model.kv_heads, max_len + 1, model.head_dim)
-            caches = [(torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype)) for _ in layers]
-            ref_caches = [(k.clone(), v.clone()) for k, v in caches]
-            ref = run_stack(torch_layer, layers, ref_caches, step, len(layers))[:, 0]
-            stack = DecodeStack(layers, [k for k, _ in caches], [v for _, v in caches])
-            out = stack_steps(stack, step, len(layers))
-            errors = {"out": rel_err(out, ref), "caches": max(
-                max(rel_err(k, rk), rel_err(v, rv)) for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True))}
-            timed_out = stack.barrier_timed_out()
-            ok = not timed_out and max(errors.values()) <= TOLERANCE[dtype]
-            results.append({"model": model.name, "path": "stack", "dtype": str(dtype).removeprefix("torch."), "b": b,
-                            "read_len": read_len, **errors, "barrier_timed_out": timed_out, "ok": ok})
-            log(f"check stack {model.name} {results[-1]['dtype']} b={b} len={read_len}: out {errors['out']:.1e} "
-                f"caches {errors['caches']:.1e} timed out={timed_out} -> {'ok' if ok else 'FAIL'}")
     return results
 
 
@@ -240,14 +202,8 @@ def time_stack(fn: Callable[[], torch.Tensor], device: torch.device, replays: in
 
 
 @torch.inference_mode()
-def bench(
-    model: Model, dtype: torch.dtype, device: torch.device, batches: tuple[int, ...], replays: int,
-    stack_programs: tuple[int, ...], stack_warps: tuple[int, ...],
-) -> list[dict[str, Any]]:
-    """Per (b, read_len): one frame's stack of layer calls, PyTorch vs Triton layer by layer vs the persistent
-    stack kernel (for each of `stack_programs` programs per SM x `stack_warps` warps), each as one CUDA graph."""
-    from qwen3tts_agent.engine.stack_kernel import MAX_ROWS, DecodeStack
-
+def bench(model: Model, dtype: torch.dtype, device: torch.device, batches: tuple[int, ...], replays: int) -> list[dict[str, Any]]:
+    """Per (b, read_len): one frame's stack of layer calls, PyTorch vs Triton, each as one CUDA graph."""
     log(f"building {model.layers} {model.name} layers ({dtype})")
     layers = build_layers(model, model.layers, dtype, device)
     max_len, slots = max(model.read_lens), max(batches)
@@ -263,22 +219,9 @@ def bench(
                 stack = functools.partial(run_stack, layer_fn, layers, caches, step, model.calls)
                 result[f"{name}_us"] = 1e6 * time_stack(stack, device, replays)
             result["speedup"] = result["torch_us"] / result["triton_us"]
-            if b <= MAX_ROWS:
-                for per_sm, warps in itertools.product(stack_programs, stack_warps):
-                    stack = DecodeStack(layers, [k for k, _ in caches], [v for _, v in caches], programs_per_sm=per_sm,
-                                        num_warps=warps)
-                    fn = functools.partial(stack_steps, stack, step, model.calls)
-                    name = f"stack_p{per_sm}_w{warps}"
-                    try:
-                        result[f"{name}_us"] = 1e6 * time_stack(fn, device, replays)
-                    except ValueError as e:  # cannot all be resident
-                        log(f"  {name}: {e}")
-                        continue
-                    result[f"{name}_timed_out"] = stack.barrier_timed_out()
             rows.append(result)
-            stacks = "  ".join(f"{k} {v:8.1f}" for k, v in result.items() if k.startswith("stack_") and k.endswith("_us"))
             log(f"time {model.name} b={b:2d} len={read_len:4d}: torch {result['torch_us']:8.1f} us  triton "
-                f"{result['triton_us']:8.1f} us  ({result['speedup']:.2f}x, {result['triton_us'] / model.calls:.1f} us/layer)  {stacks}")
+                f"{result['triton_us']:8.1f} us  ({result['speedup']:.2f}x, {result['triton_us'] / model.calls:.1f} us/layer)")
     del layers, caches
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -293,8 +236,6 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--no-fp32-timing", action="store_true", help="time bf16 only (fp32 is still checked)")
-    parser.add_argument("--stack-warps", type=int, nargs="+", default=[8], help="warps per program of the stack kernel")
-    parser.add_argument("--stack-programs", type=int, nargs="+", default=[1], help="programs per SM of the stack kernel")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
@@ -324,9 +265,8 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             log(f"checking {model.name} {dtype}")
             report["checks"] += check(model, dtype, device, batches)
-            report["checks"] += check_stack(model, dtype, device, batches)
         for dtype in timing_dtypes:
-            report["timings"] += bench(model, dtype, device, batches, replays, tuple(args.stack_programs), tuple(args.stack_warps))
+            report["timings"] += bench(model, dtype, device, batches, replays)
 
     print(f"\n{'model':14} {'dtype':9} {'b':>3} {'len':>5} {'torch us':>10} {'triton us':>10} {'speedup':>8}")
     for r in report["timings"]:

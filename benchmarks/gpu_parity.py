@@ -70,8 +70,6 @@ def compare(model: str, device: str, dtype: torch.dtype, frames: int, flags: dic
                                              sampling=SamplingParams.greedy(max_frames=frames))
     list(other.chunks())
     activation_gap = fused_activation_gap(engine)
-    stacks = [s for s in (engine._runner.talker_stack, engine._runner.predictor_stack) if s is not None]
-    barrier_timed_out = any(s.barrier_timed_out() for s in stacks)
     engine.close()
     ours = torch.tensor(result.codes)
     n = min(len(ours), len(theirs))
@@ -85,8 +83,7 @@ def compare(model: str, device: str, dtype: torch.dtype, frames: int, flags: dic
         "frames_ours": int(len(ours)), "identical": bool(first_diff == n and len(ours) == len(theirs)),
         "first_differing_frame": first_diff, "token_agreement": float((ours[:n] == theirs[:n]).float().mean()),
         "frame_agreement": float(equal_frames.float().mean()), "max_wave_abs_error": wav_err, "official_seconds": official_s,
-        "fused_activation_max_abs_diff": activation_gap, "persistent_stacks": bool(stacks),
-        "barrier_timed_out": barrier_timed_out,
+        "fused_activation_max_abs_diff": activation_gap,
     }, ours, theirs
 
 
@@ -109,7 +106,6 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false")
-    parser.add_argument("--no-persistent-stacks", dest="persistent_stacks", action="store_false")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"))
@@ -123,7 +119,7 @@ def main() -> None:
     for name in args.dtypes.split(","):
         result, ours, theirs = compare(
             args.model, args.device, getattr(torch, name), args.frames,
-            dict(overlap_codec=args.overlap_codec, fused_kernels=args.fused_kernels, persistent_stacks=args.persistent_stacks),
+            dict(overlap_codec=args.overlap_codec, fused_kernels=args.fused_kernels),
         )
         if name == "float32":
             fp32_official = theirs

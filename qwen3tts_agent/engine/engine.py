@@ -157,7 +157,6 @@ class Engine:
         use_cuda_graphs: bool = True,
         overlap_codec: bool = True,
         fused_kernels: bool = True,
-        persistent_stacks: bool = True,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
     ) -> None:
         self._official = official
@@ -188,7 +187,7 @@ class Engine:
         # one text-track token per frame at most, so a track never outgrows the cache
         self._runner = ModelRunner(
             model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len, top_k_cap=top_k_cap,
-            fused_kernels=fused_kernels, persistent_stacks=persistent_stacks,
+            fused_kernels=fused_kernels,
         )
         decoder = model.speech_tokenizer.model.decoder
         graphed = self.device.type == "cuda" and use_cuda_graphs

@@ -126,8 +126,7 @@ def _gemv_epilogue(
     else:
         y = _round(acc, dt)
     if RESIDUAL:
-        res = tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=mask, other=0.0, cache_modifier=".cg")
-        y = y + res.to(tl.float32)
+        y = y + tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m[None, :] * stride_out + n[:, None], y.to(dt), mask=mask)
 
 
@@ -138,9 +137,7 @@ def _gemv_inputs(
     """The rows' inputs at k, transposed for the product ([BLOCK_K, BLOCK_M]): times the norm gains when NORM,
     with Σx² accumulated alongside (only without K splits: split programs see part of the row)."""
     k_ok = k < K_DIM
-    x = tl.load(
-        x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg"
-    )
+    x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
         xf = x.to(tl.float32)
         if SPLITS == 1:
@@ -156,65 +153,37 @@ def _gemv_weights(w_ptr, n, n_ok, k, K_DIM: tl.constexpr):
 
 
 @_jit
-def _grid_arrive(bar_ptr):
-    """Count this program in at a grid barrier of a persistent kernel; its stores so far are released."""
-    tl.debug_barrier()
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-
-
-@_jit
-def _grid_wait(bar_ptr, target):
-    """Wait until `target` arrivals have been counted, then see every store released before them.
-
-    A wait that spins far longer than any step could take gives up: it sets bar_ptr[2] and lifts the count
-    past every later target, so that a missing program shows as a flag rather than a hung GPU.
-    """
-    MAX_SPINS: tl.constexpr = 1 << 20  # polls: about a second
-    spins = 0
-    while (tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < MAX_SPINS):
-        spins += 1
-    if spins == MAX_SPINS:
-        tl.store(bar_ptr + 2, 1)
-        tl.atomic_add(bar_ptr, 1 << 30, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
-
-
-@_jit
-def _gemv_tile(
-    tile, split, x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, bar_ptr, bar_target, rows, eps,
-    stride_x, stride_res, stride_out,
+def _gemv_kernel(
+    x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
     N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    WAIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """out = epilogue(x' · w[:N_OUT]ᵀ) for one (output tile, K split), x' = x∘g when NORM (1/rms applied at the end).
+    """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
 
-    The tile takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1 the partial
-    sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order (deterministic, no
-    atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
+    Program (tile, split) takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1
+    the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
+    (deterministic, no atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
+    Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
 
-    WAIT says what the inputs wait for: 0 nothing, 1 the kernel before (programmatic dependent launch),
-    2 the grid barrier `bar_ptr` reaching `bar_target` (persistent kernels). With 1 or 2 the tile first
-    loads its first weight block, which nothing in flight writes, so that load overlaps the wait.
-    Inputs and residuals are read through L2 (.cg): in a persistent kernel other programs wrote them.
+    PDL (programmatic dependent launch): the kernel may start while the previous one still runs; it loads
+    its first weight block, which nothing before it writes, and only then waits for that kernel's results.
     """
+    tile, split = tl.program_id(0), tl.program_id(1)
     n = (tile // ROW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (tile % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N_OUT, m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
-    first: tl.constexpr = 1 if WAIT else 0
-    if WAIT:
+    first: tl.constexpr = 1 if PDL else 0
+    if PDL:
         k = split * SPLIT_BLOCKS * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _gemv_weights(w_ptr, n, n_ok, k, K_DIM)
         w_up = _gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM) if GATED else w
-        if WAIT == 1:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            _grid_wait(bar_ptr, bar_target)
+        gdc_launch_dependents()
+        gdc_wait()
         xt, sumsq = _gemv_inputs(x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM, NORM, SPLITS)
         acc = _dot(w, xt, acc, DOT_F32, PRECISION)
         if GATED:
@@ -249,10 +218,7 @@ def _gemv_tile(
             if NORM:
                 for k0 in range(0, K_DIM, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)
-                    xs = tl.load(
-                        x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0,
-                        cache_modifier=".cg",
-                    )
+                    xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
                     xs = xs.to(tl.float32)
                     sumsq += tl.sum(xs * xs, axis=1)
             _gemv_epilogue(
@@ -263,28 +229,11 @@ def _gemv_tile(
 
 
 @_jit
-def _gemv_kernel(
-    x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
-    N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_gemv_tile` for program (tile, split). Row tiles vary fastest over program ids, so the programs that
-    share a weight tile run together. PDL: the kernel may start while the one before still runs."""
-    _gemv_tile(
-        tl.program_id(0), tl.program_id(1), x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, count_ptr, 0,
-        rows, eps, stride_x, stride_res, stride_out, N_OUT, K_DIM, NORM, GATED, RESIDUAL, ROW_TILES, SPLITS,
-        SPLIT_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, 1 if PDL else 0,
-    )
-
-
-@_jit
 def _norm_rope(head_ptrs, mask, d, d_rot, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
     """Per-head RMSNorm then x*cos + roll(x, d/2)*sin for heads [R, 1] -> [R, HEAD_DIM], in fp32."""
     dt = head_ptrs.dtype.element_ty
-    x = tl.load(head_ptrs + d[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    x_rot = tl.load(head_ptrs + d_rot[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = tl.load(head_ptrs + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rot = tl.load(head_ptrs + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     y = _round(x * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :], dt)
     y_rot = _round(x_rot * rstd * tl.load(w_ptr + d_rot).to(tl.float32)[None, :], dt)
@@ -300,36 +249,17 @@ def _attention_kernel(
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
     LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """`_attention_item` for program (row · KV_HEADS + kv head, key split)."""
-    if PDL:  # started early: let the next kernel start too, then wait for this one's inputs
-        gdc_launch_dependents()
-        gdc_wait()
-    _attention_item(
-        tl.program_id(0), tl.program_id(1), qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr,
-        cache_v_ptr, out_ptr, part_ptr, stat_ptr, count_ptr, read_len, keys_per_split, eps, scale,
-        stride_qkv, stride_cos, stride_sin, stride_pos, stride_slot, stride_head, stride_len, stride_out,
-        Q_SIZE, KV_SIZE, KV_HEADS, GROUP, Q_ROWS, HEAD_DIM, BLOCK_KEYS, SPLITS, LIMIT_TO_POS, DOT_F32, PRECISION,
-    )
-
-
-@_jit
-def _attention_item(
-    pid, split, qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr, cache_v_ptr, out_ptr,
-    part_ptr, stat_ptr, count_ptr, read_len, keys_per_split, eps, scale,
-    stride_qkv, stride_cos, stride_sin, stride_pos, stride_slot, stride_head, stride_len, stride_out,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
-    LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One (row · KV_HEADS + kv head, key split): q/k norm + RoPE, K/V cache write, GQA attention of the head's
-    GROUP queries.
+    """One (row, kv head, key split): q/k norm + RoPE, K/V cache write, GQA attention of the head's GROUP queries.
 
     Key j is attended iff j < read_len (and j <= write_pos when LIMIT_TO_POS). The new key/value are used
     from registers rather than re-read from the cache, so no program reads a column another one writes. The
-    GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot. q, k and v are read
-    through L2 (.cg): in a persistent kernel other programs wrote them.
+    GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot.
     """
+    if PDL:  # started early: let the next kernel start too, then wait for this one's inputs
+        gdc_launch_dependents()
+        gdc_wait()
     dt = cache_k_ptr.dtype.element_ty
+    pid, split = tl.program_id(0), tl.program_id(1)
     row = pid // KV_HEADS
     head = pid % KV_HEADS
     d = tl.arange(0, HEAD_DIM)
@@ -344,7 +274,7 @@ def _attention_item(
     q = _norm_rope(q_heads, g_ok[:, None], d, d_rot, q_norm_ptr, cos, sin, eps, HEAD_DIM)  # [Q_ROWS, D]
     k_head = qkv + Q_SIZE + head * HEAD_DIM + tl.zeros((1, 1), tl.int32)
     k = _norm_rope(k_head, tl.full((1, 1), True, tl.int1), d, d_rot, k_norm_ptr, cos, sin, eps, HEAD_DIM)  # [1, D]
-    v = tl.load(qkv + Q_SIZE + KV_SIZE + head * HEAD_DIM + d, cache_modifier=".cg").to(tl.float32)
+    v = tl.load(qkv + Q_SIZE + KV_SIZE + head * HEAD_DIM + d).to(tl.float32)
 
     slot = row.to(tl.int64) * stride_slot + head * stride_head
     keys, values = cache_k_ptr + slot, cache_v_ptr + slot

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, sampling_kernel, stack_kernel
+from . import kernels, sampling_kernel
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
@@ -55,13 +55,10 @@ class ModelRunner:
         max_text_tokens: int,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         fused_kernels: bool = True,
-        persistent_stacks: bool = True,
     ) -> None:
         """`fused_kernels`: where Triton can run (a GPU), the layers of the talker's single-token steps and of
         every predictor step run as the kernels of `kernels.py`, and every sampling as one kernel of
-        `sampling_kernel.py`; elsewhere, and for prompts, PyTorch. `persistent_stacks` (with fused kernels):
-        single-token steps of up to `stack_kernel.MAX_ROWS` rows run each stack (talker, predictor) as one
-        persistent launch."""
+        `sampling_kernel.py`; elsewhere, and for prompts, PyTorch."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -105,10 +102,6 @@ class ModelRunner:
         p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
         self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
         self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
-        self.talker_stack = self.predictor_stack = None
-        if self.fused_kernels and persistent_stacks:
-            self.talker_stack = stack_kernel.DecodeStack(self.layers, self.k_cache, self.v_cache)
-            self.predictor_stack = stack_kernel.DecodeStack(self.p_layers, self.pk_cache, self.pv_cache)
 
         long = dict(device=dev, dtype=torch.int64)
         # Per-slot scalars live in three tables, one row per field, so that resetting a slot is one
@@ -196,9 +189,6 @@ class ModelRunner:
         # written position"; prompts (many tokens, their own masks) stay on the PyTorch layers
         frame_step = x.shape[1] == 1 and isinstance(read_rows, slice) and read_rows == slice(0, x.shape[0])
         fused = self.fused_kernels and frame_step
-        if fused and self.talker_stack is not None and x.shape[0] <= stack_kernel.MAX_ROWS:
-            x = self.talker_stack(x[:, 0].contiguous(), cos[:, 0], sin[:, 0], write_pos[:, 0], read_len, masked=True)
-            return self.norm(x).unsqueeze(1)
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             if fused:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
@@ -215,8 +205,6 @@ class ModelRunner:
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
         pos = self._predictor_positions[start : start + t].expand(b, t)
-        if self.fused_kernels and self.predictor_stack is not None and t == 1 and b <= stack_kernel.MAX_ROWS:
-            return self.predictor_stack(x[:, 0].contiguous(), cos[:, 0], sin[:, 0], pos[:, 0], start + t, masked=False)
         for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
             if self.fused_kernels:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, pos, start + t, masked=False)
