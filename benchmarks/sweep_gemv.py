@@ -51,7 +51,7 @@ L2_DEFEAT_BYTES = 256 << 20  # weight copies per graph: more than the L2 cache h
 
 def candidates(rows: int) -> list[GemvTiles]:
     block_ks = (128, 256, 512) if rows <= 16 else (64, 128, 256)
-    pps = (2, 4, 8, 16) if rows <= 16 else (1, 2, 4, 8)
+    pps = (1, 2, 4, 8, 16) if rows <= 16 else (1, 2, 4, 8)
     return [
         GemvTiles(block_n=n, block_k=k, programs_per_sm=p, num_warps=w)
         for n, k, p, w in itertools.product((16, 32, 64), block_ks, pps, (4, 8))
@@ -187,13 +187,17 @@ def main() -> int:
             (t["us"] for t in timed if GemvTiles(**{k: v for k, v in t.items() if k != "us"}) == kernels.DEFAULT_TILES),
             None,
         )
+        current = kernels.gemv_tiles(flavour, n_out, k_dim, rows)
+        current_us = next((t["us"] for t in timed if GemvTiles(**{k: v for k, v in t.items() if k != "us"}) == current), None)
         case = {
             "shape": name, "n_out": n_out, "k_dim": k_dim, "flavour": flavour, "rows": rows,
-            "weight_mb": weight_bytes / 1e6, "torch_us": torch_us, "default_us": default_us, "best": best,
+            "weight_mb": weight_bytes / 1e6, "torch_us": torch_us, "default_us": default_us, "current_us": current_us,
+            "best": best,
             "best_tb_per_s": weight_bytes / best["us"] / 1e6, "top": timed[:8],
         }
         report["cases"].append(case)
-        log(f"{name:13} b={rows:3d}: torch {torch_us:6.1f} us  default {default_us or float('nan'):6.1f} us  best "
+        log(f"{name:13} b={rows:3d}: torch {torch_us:6.1f} us  default {default_us or float('nan'):6.1f} us  "
+            f"current {current_us or float('nan'):6.1f} us  best "
             f"{best['us']:6.1f} us ({case['best_tb_per_s']:.2f} TB/s) {GemvTiles(**{k: v for k, v in best.items() if k != 'us'})}")
         del ops
         torch.cuda.empty_cache()
