@@ -50,12 +50,17 @@ L2_DEFEAT_BYTES = 256 << 20  # weight copies per graph: more than the L2 cache h
 
 
 def candidates(rows: int) -> list[GemvTiles]:
-    block_ks = (128, 256, 512) if rows <= 16 else (64, 128, 256)
-    pps = (1, 2, 4, 8, 16) if rows <= 16 else (1, 2, 4, 8)
+    if rows > 16:
+        return [
+            GemvTiles(block_n=n, block_k=k, programs_per_sm=p, num_warps=w)
+            for n, k, p, w in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (4, 8))
+            if not (w == 8 and n * k < 16384)  # 8 warps only for tiles with that much work
+        ]
+    # a few rows: tiles of 8K-32K weights for 4 warps, 16K-64K for 8, and a deeper pipeline as an option
     return [
-        GemvTiles(block_n=n, block_k=k, programs_per_sm=p, num_warps=w)
-        for n, k, p, w in itertools.product((16, 32, 64), block_ks, pps, (4, 8))
-        if not (w == 8 and n * k < 16384)  # 8 warps only for tiles with that much work
+        GemvTiles(block_n=n, block_k=k, programs_per_sm=p, num_warps=w, num_stages=s)
+        for n, k, p, w, s in itertools.product((32, 64, 128), (256, 512, 1024), (1, 2, 4, 8, 16), (4, 8), (3, 4))
+        if 4096 * w // 2 <= n * k <= 8192 * w
     ]
 
 
