@@ -159,6 +159,9 @@ GEMV_CASES = [
     ("residual-b40", 40, 48, 80, "residual", "bfloat16", None),
     ("norm-b70-split", 70, 40, 96, "norm", "float32", {"block_n": 32, "block_k": 32, "programs_per_sm": 4}),
     ("gated-b130", 130, 24, 48, "gated", "float32", {"block_n": 16, "block_k": 16, "programs_per_sm": 1}),
+    # the 1.7B talker-to-predictor projection: a biased Linear, one rounding after the bias
+    ("bias-b2", 2, 40, 96, "bias", "bfloat16", None),
+    ("bias-b3-split", 3, 40, 96, "bias", "float32", {"block_n": 16, "block_k": 16, "programs_per_sm": 8}),
 ]
 
 
@@ -181,6 +184,10 @@ def _run_gemv(rows: int, n_out: int, k_dim: int, flavour: str, dtype_name: str, 
     if flavour == "residual":
         ref = res + F.linear(x, w)
         kernels.gemv(x, w, out, residual=res, tiles=chosen)
+    elif flavour == "bias":
+        bias = res[0].contiguous()
+        ref = F.linear(x, w, bias)
+        kernels.gemv(x, w, out, bias=bias, tiles=chosen)
     else:
         h = F.rms_norm(x, (k_dim,), g, 1e-6)
         ref = F.linear(h, w)
@@ -188,7 +195,8 @@ def _run_gemv(rows: int, n_out: int, k_dim: int, flavour: str, dtype_name: str, 
             gate, up = ref.split(n_out, dim=-1)
             ref = F.silu(gate) * up
         kernels.gemv(x, w, out, norm=g, eps=1e-6, gated=gated, tiles=chosen)
-    grid = kernels._gemv_grid(n_out, k_dim, rows, dtype, chosen or kernels.gemv_tiles(flavour, n_out, k_dim, rows), x.device)
+    tiles = chosen or kernels.gemv_tiles("residual" if flavour == "bias" else flavour, n_out, k_dim, rows)
+    grid = kernels._gemv_grid(n_out, k_dim, rows, dtype, tiles, x.device)
     counters_clear = bool((kernels._counters(x.device) == 0).all())
     return {
         "err": float((out.double() - ref.double()).abs().max() / ref.double().abs().max()),
@@ -276,7 +284,7 @@ def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool) -> None:
     signature = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32", "rows": "i32", "eps": "fp32",
                  "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "rows" and name != "eps"}
-    constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, ROW_TILES=1, SPLITS=4,
+    constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, BIAS=False, ROW_TILES=1, SPLITS=4,
                      SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl)
     source = ASTSource(kernels._gemv_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]

@@ -109,11 +109,12 @@ def _arrived_last(counter_ptr, arrivals: tl.constexpr):
 @_jit
 def _gemv_epilogue(
     acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out,
-    K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+    K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr,
 ):
     """Scale by 1/rms (NORM), SiLU(gate)*up (GATED), add the residual (RESIDUAL), store [m, n] transposed.
 
-    Each rounding to the model dtype is one the PyTorch path makes when it stores an intermediate.
+    Each rounding to the model dtype is one the PyTorch path makes when it stores an intermediate; a bias
+    (BIAS: the residual is the bias, row stride 0) is added before the one rounding, as in cuBLAS's epilogue.
     """
     dt = out_ptr.dtype.element_ty
     mask = n_ok[:, None] & m_ok[None, :]
@@ -123,6 +124,8 @@ def _gemv_epilogue(
         if GATED:
             up = _round(acc_up * rstd, dt)
             y = _round(_round(y / (1.0 + tl.exp(-y)), dt) * up, dt)
+    elif BIAS:
+        y = acc
     else:
         y = _round(acc, dt)
     if RESIDUAL:
@@ -156,7 +159,7 @@ def _gemv_weights(w_ptr, n, n_ok, k, K_DIM: tl.constexpr):
 def _gemv_kernel(
     x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
     N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    BIAS: tl.constexpr, ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -196,7 +199,8 @@ def _gemv_kernel(
             acc_up = _dot(_gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM), xt, acc_up, DOT_F32, PRECISION)
     if SPLITS == 1:
         _gemv_epilogue(
-            acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL
+            acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL,
+            BIAS,
         )
     else:
         # partials [SPLITS, 1 + GATED, N_OUT, ROW_TILES * BLOCK_M] in fp32
@@ -223,7 +227,7 @@ def _gemv_kernel(
                     sumsq += tl.sum(xs * xs, axis=1)
             _gemv_epilogue(
                 acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED,
-                RESIDUAL,
+                RESIDUAL, BIAS,
             )
             tl.store(count_ptr + tile, 0)  # ready for the next launch
 
@@ -475,19 +479,26 @@ def gemv(
     eps: float = 0.0,
     gated: bool = False,
     residual: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
     tiles: GemvTiles | None = None,
 ) -> None:
     """out = x · wᵀ for a few rows x [rows, K] (row stride free), with optional fusions:
 
     `norm` (gains [K]): RMSNorm(x) first; `gated`: w holds [gate; up] and out = SiLU(gate)·up (needs `norm`);
-    `residual` [rows, N]: out = residual + product. out [rows, N] must be a distinct buffer.
+    `residual` [rows, N]: out = residual + product; `bias` [N]: out = product + bias, as `F.linear` rounds it.
+    out [rows, N] must be a distinct buffer.
     """
     rows, k_dim = x.shape
     n_out = out.shape[1]
     if gated and norm is None:
         raise ValueError("the gated product is only fused behind a norm")
+    if bias is not None:
+        if norm is not None or residual is not None or bias.shape != (n_out,) or bias.stride(0) != 1:
+            raise ValueError("a bias [N] (contiguous) goes on a plain product only")
+        residual = bias.expand(rows, n_out)  # row stride 0
     if w.shape != ((2 if gated else 1) * n_out, k_dim) or not w.is_contiguous() or x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError(f"bad shapes or layouts: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
+    # a bias costs what a residual does: same tiles
     flavour = "gated" if gated else "norm" if norm is not None else "residual" if residual is not None else "plain"
     tiles = tiles or gemv_tiles(flavour, n_out, k_dim, rows)
     grid = _gemv_grid(n_out, k_dim, rows, x.dtype, tiles, x.device)
@@ -500,7 +511,7 @@ def gemv(
     _gemv_kernel[(programs, splits)](
         x, norm if norm is not None else x, w, residual if residual is not None else out, out, partials if partials is not None else out,
         _counters(x.device), rows, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None,
+        N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, BIAS=bias is not None,
         DOT_F32=_interpreting(), PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **grid, **_pdl(x.device),
     )

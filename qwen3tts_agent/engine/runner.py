@@ -200,7 +200,7 @@ class ModelRunner:
         """Predictor layers on x [b, t, hidden] at cache positions start..start+t-1, each token attending the
         keys up to its own (t = 2 on the first step, then 1); returns the last token's state [b, hidden]."""
         t = x.shape[1]
-        x = self.p_in_proj(x)
+        x = self._to_predictor_width(x)
         cos = self.p_cos[start : start + t].expand(b, t, -1)
         sin = self.p_sin[start : start + t].expand(b, t, -1)
         rows = self._arange_slots[:b].unsqueeze(1)
@@ -211,6 +211,17 @@ class ModelRunner:
             else:
                 x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
         return x[:, -1]
+
+    def _to_predictor_width(self, x: torch.Tensor) -> torch.Tensor:
+        """The talker-to-predictor projection (1.7B: a biased Linear, 2048 -> 1024; 0.6B: identity), as one
+        GEMV kernel when fused: a cuBLAS call in the middle of the predictor's Triton kernels costs ~12 µs."""
+        proj = self.p_in_proj
+        rows = x.reshape(-1, x.shape[-1])
+        if not isinstance(proj, torch.nn.Linear) or not self.fused_kernels or rows.shape[0] > kernels.GEMV_MAX_ROWS:
+            return proj(x)
+        out = torch.empty(rows.shape[0], proj.out_features, device=x.device, dtype=x.dtype)
+        kernels.gemv(rows, proj.weight, out, bias=proj.bias)
+        return out.view(*x.shape[:-1], proj.out_features)
 
     def _predictor_logits(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """Head j on the final norm of the predictor's last hidden state x [b, hidden] (one kernel when fused)."""
