@@ -58,6 +58,9 @@ GEMV_MAX_ROWS = 64
 BLOCK_KEYS = 32  # keys per attention step
 KEYS_PER_PROGRAM = 128  # the attention loop is not software-pipelined: keep it short by splitting over keys
 MAX_KV_SPLITS = 16
+# Up to this many rows attention loads its first cache block with q/k/v (`_attention_kernel`); on an H200
+# that helped a 1-4 row frame, while at 256 rows it took attention from 5.2 to 5.7 ms per frame.
+EARLY_KEYS_MAX_ROWS = 16
 # Programmatic dependent launch (Hopper and later): each GEMV starts while the kernel before it finishes and
 # loads its first weights meanwhile; CUDA-graph capture keeps the launches' dependency type. None: on where
 # the GPU has it (compute capability 9.0 and up). On an H200 it took a 0.6B frame from 4.09 to 3.88 ms with
@@ -264,12 +267,15 @@ def _attention_kernel(
     Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
     LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EARLY_KEYS: tl.constexpr,
 ):
     """One (row, kv head, key split): q/k norm + RoPE, K/V cache write, GQA attention of the head's GROUP queries.
 
     Key j is attended iff j < read_len (and j <= write_pos when LIMIT_TO_POS). The new key/value are used
     from registers rather than re-read from the cache, so no program reads a column another one writes. The
-    GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot.
+    GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot. EARLY_KEYS loads the
+    first cache block before q and k are ready: shorter for a few rows, but those registers held across the
+    norms cost occupancy when thousands of programs share the GPU.
     """
     if PDL:  # started early: let the next kernel start too, then wait for this one's inputs
         gdc_launch_dependents()
@@ -287,9 +293,10 @@ def _attention_kernel(
     keys, values = cache_k_ptr + slot, cache_v_ptr + slot
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, read_len)
-    # The first cache block goes out with the q/k/v loads: earlier steps wrote it, not the QKV product, so
-    # the two latencies overlap instead of following each other.
-    kb, vb, ok = _key_block(keys, values, start, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
+    if EARLY_KEYS:
+        # The first cache block goes out with the q/k/v loads: earlier steps wrote it, not the QKV product,
+        # so the two latencies overlap instead of following each other.
+        kb, vb, ok = _key_block(keys, values, start, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
     cos = tl.load(cos_ptr + row * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + row * stride_sin + d).to(tl.float32)
     qkv = qkv_ptr + row * stride_qkv
@@ -310,6 +317,8 @@ def _attention_kernel(
     l_i = tl.where(new_ok, 1.0, 0.0) + tl.zeros((Q_ROWS,), tl.float32)
     acc = tl.where(new_ok, v[None, :], 0.0) + tl.zeros((Q_ROWS, HEAD_DIM), tl.float32)
     q = q.to(dt)
+    if not EARLY_KEYS:
+        kb, vb, ok = _key_block(keys, values, start, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
     j0 = start
     while j0 < end:  # a while loop: the interpreter cannot range() over runtime bounds with numpy >= 2.4
         s = _dot(q, tl.trans(kb), tl.zeros((Q_ROWS, BLOCK_KEYS), tl.float32), DOT_F32, PRECISION)
@@ -558,7 +567,7 @@ def _attention(
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
         Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
         Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, SPLITS=splits,
-        LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(qkv.dtype),
+        LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(qkv.dtype), EARLY_KEYS=b <= EARLY_KEYS_MAX_ROWS,
         num_warps=8 if qkv.dtype == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
         **_pdl(qkv.device),
     )
