@@ -2,9 +2,9 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, sweep, kernels, parity, engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b. The smoke stage tries the
-# engine's defaults, then without the Triton kernels, then also without the codec's own stream; the later
-# stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
+# Stages: smoke, sweep, kernels, parity, parity-1.7b (fp32), engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
+# The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
+# codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
 set -uo pipefail
 out=${1:?output folder}; shift
@@ -36,6 +36,8 @@ for stage in "$@"; do
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
     parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    parity-1.7b) official benchmarks/gpu_parity.py --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
+                   --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
     engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
     engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags $pdl \
