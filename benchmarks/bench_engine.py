@@ -224,7 +224,7 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
 KERNEL_KINDS = (  # substrings of kernel names, first match wins
     ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "nvjet", "cublas", "splitk")),
     ("attention", ("flash", "attention", "fmha", "softmax")),
-    ("sampling and top-k", ("_sample_kernel", "topk", "sort", "radix", "argmax", "cumsum", "scan", "gather", "scatter")),
+    ("sampling and top-k", ("_sample_kernel", "_code_kernel", "_code0_kernel", "topk", "sort", "radix", "argmax", "cumsum", "scan", "gather", "scatter")),
     ("norm and reductions", ("norm", "reduce")),
     ("indexing and copies", ("index", "copy", "cat", "fill")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),

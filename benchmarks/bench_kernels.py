@@ -111,14 +111,14 @@ def make_step(model: Model, b: int, read_len: int, max_len: int, dtype: torch.dt
         write_pos.fill_(read_len - 1)
     d = model.head_dim
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=device).float() / d))
-    cos, sin = rope_tables(inv_freq, write_pos, dtype)
+    cos, sin = rope_tables(inv_freq, torch.arange(max_len + 1, device=device), dtype)  # rows by position
     mask = (torch.arange(read_len, device=device) <= write_pos).view(b, 1, 1, read_len) if model.talker else None
     x = torch.randn(b, 1, model.hidden, device=device).to(dtype)
     return Step(x, torch.arange(b, device=device).unsqueeze(1), cos, sin, write_pos, mask, read_len)
 
 
 def torch_layer(layer: Any, x: torch.Tensor, step: Step, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
-    return layer(x, step.cos, step.sin, ck, cv, step.rows, step.write_pos, slice(0, x.shape[0]), step.read_len, step.mask)
+    return layer(x, step.cos[step.write_pos], step.sin[step.write_pos], ck, cv, step.rows, step.write_pos, slice(0, x.shape[0]), step.read_len, step.mask)
 
 
 def triton_layer(layer: Any, x: torch.Tensor, step: Step, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:

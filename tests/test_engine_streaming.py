@@ -274,4 +274,5 @@ def test_slot_set_up_copies_no_host_scalar(engine: Engine) -> None:
     assert scalar_copies == []
     assert runner.top_k[slot] == 7 and runner.seed[slot] == 5 and runner.text_len[slot] == 3
     assert abs(float(runner.temperature[slot]) - 0.7) < 1e-6 and runner.pos[slot] == 0
-    assert runner.text_ids[slot, :4].tolist() == [11, 12, 13, runner.tts_pad_id]
+    expected = runner.text_track_embeddings(torch.tensor([11, 12, 13]))
+    assert torch.equal(runner.text_embeds[slot, :3], expected)  # projected on arrival, looked up by frames

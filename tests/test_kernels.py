@@ -100,11 +100,11 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     if b > 1 and t == 1:
         write_pos[-1] = MAX_LEN  # an inactive row: writes the spare column, attends every key below read_len
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
-    cos, sin = rope_tables(inv_freq, write_pos, dtype)
+    cos, sin = rope_tables(inv_freq, torch.arange(MAX_LEN + 1), dtype)  # rows by position, spare column's too
     mask = (torch.arange(read_len) <= write_pos[..., None]).unsqueeze(1) if masked else None  # [b, 1, t, len]
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     with torch.no_grad():
-        ref = layer(x, cos, sin, ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
+        ref = layer(x, cos[write_pos], sin[write_pos], ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
 
     with _patched(kernels, case["shape"] == "real"):
         assert kernels.available(torch.device("cpu"))

@@ -129,7 +129,7 @@ class GraphedPrefill:
             raise ValueError("no prefill bucket fits the runner")
         largest_b = max(b for b, _, _ in self.keys)
         tokens = max(b * t for b, t, _ in self.keys)
-        hidden = runner.frame_embeds.shape[-1]
+        hidden = runner.hidden_size
         dev = runner.device
         # flat buffers, so every bucket's inputs are contiguous views of their first elements
         self._embeds = torch.zeros(tokens * hidden, device=dev, dtype=runner.dtype)
@@ -141,7 +141,7 @@ class GraphedPrefill:
         self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     def _inputs(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.runner.frame_embeds.shape[-1]
+        hidden = self.runner.hidden_size
         return (
             self._embeds[: b * t * hidden].view(b, t, hidden),
             self._slots[:b],

@@ -297,8 +297,8 @@ def _attention_kernel(
         # The first cache block goes out with the q/k/v loads: earlier steps wrote it, not the QKV product,
         # so the two latencies overlap instead of following each other.
         kb, vb, ok = _key_block(keys, values, start, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
-    cos = tl.load(cos_ptr + row * stride_cos + d).to(tl.float32)
-    sin = tl.load(sin_ptr + row * stride_sin + d).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)  # the tables' rows are positions
+    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
     qkv = qkv_ptr + row * stride_qkv
     q_heads = qkv + (head * GROUP + g)[:, None] * HEAD_DIM
     q = _norm_rope(q_heads, g_ok[:, None], d, d_rot, q_norm_ptr, cos, sin, eps, HEAD_DIM)  # [Q_ROWS, D]
@@ -554,7 +554,8 @@ def _attention(
     read_len: int,
     masked: bool,
 ) -> None:
-    """One `_attention_kernel` launch for one token of each of b rows: qkv, cos, sin, out [b, n], pos [b]."""
+    """One `_attention_kernel` launch for one token of each of b rows: qkv, out [b, n], pos [b]; cos and sin are
+    the RoPE tables [positions, head_dim]."""
     b, d = qkv.shape[0], layer.head_dim
     kv_heads, group = layer.kv_size // d, layer.q_size // layer.kv_size
     splits, per_split = _kv_splits(b * kv_heads, read_len, qkv.device)
@@ -585,10 +586,11 @@ def decode_layer(
     *,
     masked: bool = True,
 ) -> torch.Tensor:
-    """`layer(x, cos, sin, cache_k, cache_v, arange(b)[:, None], write_pos, slice(0, b), read_len, mask)`.
+    """`layer(x, cos[write_pos], sin[write_pos], cache_k, cache_v, arange(b)[:, None], write_pos, slice(0, b),
+    read_len, mask)`.
 
-    x [b, t, hidden], cos/sin [b, t, head_dim], write_pos [b, t] int64 on the device: row r uses cache slot r
-    and writes token i's key at write_pos[r, i]. Token i attends the keys below read_len - (t - 1 - i), i.e.
+    x [b, t, hidden], cos/sin the RoPE tables [positions, head_dim] (row p for position p), write_pos [b, t]
+    int64 on the device: row r uses cache slot r and writes token i's key at write_pos[r, i]. Token i attends the keys below read_len - (t - 1 - i), i.e.
     not those of the tokens after it, and with `masked=True` only keys <= write_pos[r, i] (mask =
     arange(read_len) <= write_pos: the talker step). `masked=False` stands for mask=None; for t > 1 the layer
     then aligns its causal mask top-left (SDPA is_causal), which agrees only when read_len == t (the
@@ -625,7 +627,7 @@ def decode_layer(
     qkv3 = qkv.view(b, t, -1)
     for i in range(t):
         _attention(
-            layer, _token(qkv3, i), _token(cos, i), _token(sin, i), write_pos[:, i], cache_k, cache_v,
+            layer, _token(qkv3, i), cos, sin, write_pos[:, i], cache_k, cache_v,
             _token(attn, i), read_len - (t - 1 - i), masked,
         )
     attn = attn.view(rows, layer.q_size)

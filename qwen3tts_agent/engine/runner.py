@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, sampling_kernel
+from . import frame_kernels, kernels
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
@@ -82,7 +82,10 @@ class ModelRunner:
         self.codec_embedding = talker.model.codec_embedding
         self.text_embedding = talker.model.text_embedding
         self.text_projection = talker.text_projection
-        self.inv_freq = talker.model.rotary_emb.inv_freq.to(self.device)
+        self.hidden_size = cfg.hidden_size
+        # RoPE rows by position, the spare column's included: the kernels index them by write position
+        talker_positions = torch.arange(max_seq_len + 1, device=self.device)
+        self.cos, self.sin = rope_tables(talker.model.rotary_emb.inv_freq.to(self.device), talker_positions, self.dtype)
 
         predictor = talker.code_predictor
         self.p_layers = [FusedDecoderLayer(layer) for layer in predictor.model.layers]
@@ -118,9 +121,13 @@ class ModelRunner:
         self.step_idx = ints["step_idx"]  # frames produced = index into the text track
         self.text_len = ints["text_len"]
         self.code0 = torch.zeros(max_slots, **long)  # last sampled codebook-0 token
-        self.past_hidden = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
+        # the first predictor step's two inputs: the talker's last hidden state and the embedding of code0
+        self.p_input = torch.zeros(max_slots, 2, cfg.hidden_size, device=dev, dtype=dt)
         self.seen = torch.zeros(max_slots, self.vocab_size, device=dev, dtype=torch.bool)
-        self.text_ids = torch.full((max_slots, max_text_tokens), self.tts_pad_id, **long)
+        # the text track, projected when it arrives (`append_text`), and what follows its end
+        self.text_embeds = torch.zeros(max_slots, max_text_tokens, cfg.hidden_size, device=dev, dtype=dt)
+        with torch.inference_mode():
+            self.pad_embed = self.text_track_embeddings(torch.tensor([self.tts_pad_id], device=dev))[0]
         # per-slot sampling parameters
         self.do_sample, self.sub_do_sample, self.forbid_eos = flags["do_sample"], flags["sub_do_sample"], flags["forbid_eos"]
         self.temperature, self.top_p, self.top_k = floats["temperature"], floats["top_p"], ints["top_k"]
@@ -130,8 +137,13 @@ class ModelRunner:
         # step inputs and outputs
         self.active = torch.zeros(max_slots, device=dev, dtype=torch.bool)
         self.frame_codes = torch.zeros(max_slots, self.num_groups, **long)
-        self.frame_embeds = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
         self.finished = torch.zeros(max_slots, device=dev, dtype=torch.bool)
+        # within a frame: the last code's embedding (the next predictor input), the running sum of the codes'
+        # embeddings, then the talker's input and cache write position
+        self.p_step_input = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
+        self.embed_sum = torch.zeros(max_slots, cfg.hidden_size, device=dev)
+        self.talker_input = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
+        self.write_pos = torch.zeros(max_slots, **long)
 
         # tokens 2048..3071 are control codes, never audio; only EOS among them may be sampled
         self.suppress = torch.zeros(self.vocab_size, device=dev, dtype=torch.bool)
@@ -139,6 +151,14 @@ class ModelRunner:
         self.suppress[self.eos_id] = False
         self._arange_slots = torch.arange(max_slots, device=dev)
         self._predictor_positions = torch.arange(PREDICTOR_POSITIONS, device=dev)
+        # the slot tensors `frame_kernels` reads and writes, by name
+        self._frame_state = {
+            **ints, **floats, **flags, "code0": self.code0, "p_input": self.p_input, "seen": self.seen,
+            "text_embeds": self.text_embeds, "pad_embed": self.pad_embed, "active": self.active,
+            "frame_codes": self.frame_codes, "finished": self.finished, "p_step_input": self.p_step_input,
+            "embed_sum": self.embed_sum, "talker_input": self.talker_input, "write_pos": self.write_pos,
+            "suppress": self.suppress, "codec_embedding": self.codec_embedding.weight,
+        }
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:
@@ -161,14 +181,17 @@ class ModelRunner:
         for table, names in ((self._slot_ints, _INT_FIELDS), (self._slot_floats, _FLOAT_FIELDS), (self._slot_flags, _FLAG_FIELDS)):
             table[:, slot] = upload([fields[name] for name in names], table.dtype, self.device)
         self.seen[slot].zero_()
-        self.text_ids[slot].fill_(self.tts_pad_id)
 
+    @torch.inference_mode()
     def append_text(self, slot: int, start: int, ids: list[int]) -> None:
-        """Make more text-track tokens available to a slot (ids may end with tts_eos)."""
+        """Make more text-track tokens available to a slot (ids may end with tts_eos).
+
+        Their embeddings are projected here, between frames, so that a frame only looks one up.
+        """
         end = start + len(ids)
         if end > self.max_text_tokens:
             raise ValueError(f"text track longer than {self.max_text_tokens} tokens")
-        self.text_ids[slot, start:end] = upload(ids, torch.int64, self.device)
+        self.text_embeds[slot, start:end] = self.text_track_embeddings(upload(ids, torch.int64, self.device))
         self.text_len[slot].fill_(end)  # a fill, not a (synchronising) copy from a host scalar
 
     # ----------------------------------------------------------------- the model maths
@@ -182,34 +205,36 @@ class ModelRunner:
         write_pos: torch.Tensor,
         read_rows: slice | torch.Tensor,
         read_len: int,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        cos, sin = rope_tables(self.inv_freq, write_pos, self.dtype)
-        # the frame step's talker: one token per row, rows are slots 0..b-1, the mask is "keys up to the
-        # written position"; prompts (many tokens, their own masks) stay on the PyTorch layers
-        frame_step = x.shape[1] == 1 and isinstance(read_rows, slice) and read_rows == slice(0, x.shape[0])
-        fused = self.fused_kernels and frame_step
+        """The talker's layers (before its final norm). The frame step's talker (one token per row, rows =
+        slots 0..b-1, keys up to the written position: `mask` None) runs as the kernels when fused; prompts
+        (many tokens, their own masks) stay on the PyTorch layers."""
+        fused = self.fused_kernels and mask is None
+        if mask is None and not fused:
+            mask = (torch.arange(read_len, device=self.device) <= write_pos.unsqueeze(-1)).unsqueeze(1)
+        cos, sin = (self.cos, self.sin) if fused else (self.cos[write_pos], self.sin[write_pos])
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             if fused:
                 x = kernels.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
             else:
                 x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
-        return self.norm(x)
+        return x
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
         """Predictor layers on x [b, t, hidden] at cache positions start..start+t-1, each token attending the
         keys up to its own (t = 2 on the first step, then 1); returns the last token's state [b, hidden]."""
         t = x.shape[1]
         x = self._to_predictor_width(x)
-        cos = self.p_cos[start : start + t].expand(b, t, -1)
-        sin = self.p_sin[start : start + t].expand(b, t, -1)
-        rows = self._arange_slots[:b].unsqueeze(1)
         pos = self._predictor_positions[start : start + t].expand(b, t)
+        if self.fused_kernels:
+            for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
+                x = kernels.decode_layer(layer, x, self.p_cos, self.p_sin, ck, cv, pos, start + t, masked=False)
+            return x[:, -1]
+        cos, sin = self.p_cos[pos], self.p_sin[pos]
+        rows = self._arange_slots[:b].unsqueeze(1)
         for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
-            if self.fused_kernels:
-                x = kernels.decode_layer(layer, x, cos, sin, ck, cv, pos, start + t, masked=False)
-            else:
-                x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
+            x = layer(x, cos, sin, ck, cv, rows, pos, slice(0, b), start + t, None)
         return x[:, -1]
 
     def _to_predictor_width(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,62 +248,91 @@ class ModelRunner:
         kernels.gemv(rows, proj.weight, out, bias=proj.bias)
         return out.view(*x.shape[:-1], proj.out_features)
 
-    def _predictor_logits(self, x: torch.Tensor, j: int) -> torch.Tensor:
-        """Head j on the final norm of the predictor's last hidden state x [b, hidden] (one kernel when fused)."""
+    def _logits(self, x: torch.Tensor, norm: torch.nn.Module, head: torch.nn.Linear) -> torch.Tensor:
+        """head(norm(x)) for rows x [b, hidden], as one kernel when fused."""
         if not self.fused_kernels or x.shape[0] > kernels.GEMV_MAX_ROWS:
-            return self.p_heads[j](self.p_norm(x))
-        head = self.p_heads[j].weight
-        logits = torch.empty(x.shape[0], head.shape[0], device=x.device, dtype=x.dtype)
-        kernels.gemv(x, head, logits, norm=self.p_norm.weight, eps=self.p_norm.variance_epsilon)
+            return head(norm(x))
+        logits = torch.empty(x.shape[0], head.weight.shape[0], device=x.device, dtype=x.dtype)
+        kernels.gemv(x, head.weight, logits, norm=norm.weight, eps=norm.variance_epsilon)
         return logits
 
-    def _sample_code0(self, logits: torch.Tensor, rows: torch.Tensor | slice, any_sampling: bool = True) -> torch.Tensor:
-        """Talker sampling for the given slots: the official processors, then warp and draw.
+    def _sample_code0(self, logits: torch.Tensor, slots: torch.Tensor, sampling: bool) -> torch.Tensor:
+        """Talker sampling for the given slots (PyTorch): the official processors, then warp and draw.
 
         The draw counter of a slot's next codebook-0 token is n_sampled * num_groups (see `predict_codes`).
         """
-        eos_blocked = (self.n_sampled[rows] < 2) | self.forbid_eos[rows]
+        eos_blocked = (self.n_sampled[slots] < 2) | self.forbid_eos[slots]
         params = SamplerRows(
-            do_sample=self.do_sample[rows], temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows]
+            do_sample=self.do_sample[slots], temperature=self.temperature[slots], top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
         )
-        counter = self.n_sampled[rows] * self.num_groups
-        if self.fused_kernels:
-            out = torch.empty(logits.shape[0], device=self.device, dtype=torch.int64)
-            sampling_kernel.fused_sample(
-                logits, params.do_sample, params.temperature, params.top_k, params.top_p, self.seed[rows], counter,
-                self.top_k_cap, out, seen=self.seen[rows], penalty=self.repetition_penalty[rows], suppress=self.suppress,
-                eos_id=self.eos_id, eos_blocked=eos_blocked,
-            )
-            return out
-        scores = apply_repetition_penalty(logits.float(), self.seen[rows], self.repetition_penalty[rows])
+        scores = apply_repetition_penalty(logits.float(), self.seen[slots], self.repetition_penalty[slots])
         scores = scores.masked_fill(self.suppress, float("-inf"))
         scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
-        gumbel = gumbel_noise(self.seed[rows], counter.unsqueeze(1), self.vocab_size)[:, 0]
-        return sample(scores, params, gumbel, self.top_k_cap, any_sampling)
+        counter = self.n_sampled[slots] * self.num_groups
+        gumbel = gumbel_noise(self.seed[slots], counter.unsqueeze(1), self.vocab_size)[:, 0]
+        return sample(scores, params, gumbel, self.top_k_cap, sampling)
 
-    def _sample_code(self, logits: torch.Tensor, b: int, counter: torch.Tensor, sampling: bool) -> torch.Tensor:
-        """Predictor sampling for slots [0, b) with per-row draw counters [b]."""
+    def _record_code0(
+        self, logits: torch.Tensor, slots: torch.Tensor, act: torch.Tensor, hidden: torch.Tensor, *, frame: bool,
+        sampling: bool = True,
+    ) -> None:
+        """Sample the next codebook-0 token of `slots` and, where `act`, record it and the talker's last hidden
+        state as the slot's first predictor input. `hidden`: normed for prompts; the last layer's output for a
+        frame, normed here. `frame` also advances the slots' positions and flags EOS."""
+        if self.fused_kernels:
+            norm = dict(norm=self.norm.weight, eps=self.norm.variance_epsilon) if frame else {}
+            frame_kernels.talker_code0(
+                logits, slots, act, hidden, self._frame_state, self.top_k_cap, eos_id=self.eos_id, frame=frame, **norm
+            )
+            return
+        if frame:
+            hidden = self.norm(hidden)
+        code0 = self._sample_code0(logits, slots, sampling)
+        self.code0[slots] = torch.where(act, code0, self.code0[slots])
+        first = torch.stack([hidden, self.codec_embedding(code0)], dim=1)
+        self.p_input[slots] = torch.where(act.view(-1, 1, 1), first, self.p_input[slots])
+        self.seen[slots, code0] = self.seen[slots, code0] | act  # touches n entries, not n x vocab
+        self.n_sampled[slots] += act.long()
+        if frame:
+            self.pos[slots] += act.long()
+            self.step_idx[slots] += act.long()
+            self.finished[slots] = act & (code0 == self.eos_id)
+
+    def _record_code(self, logits: torch.Tensor, code: int, b: int, sampling: bool) -> None:
+        """Sample code `code` (1..15) of the frame for slots [0, b); its embedding is the next predictor input
+        and joins the frame's sum, which after the last code becomes the talker's input with the text track."""
+        if self.fused_kernels:
+            frame_kernels.predictor_code(
+                logits, code, self.p_embeddings[code - 1].weight, self._frame_state, self.top_k_cap, spare_pos=self.max_seq_len
+            )
+            return
         rows = slice(0, b)
         params = SamplerRows(
             do_sample=self.sub_do_sample[rows], temperature=self.sub_temperature[rows], top_k=self.sub_top_k[rows],
             top_p=self.sub_top_p[rows],
         )
-        if self.fused_kernels:
-            out = torch.empty(b, device=self.device, dtype=torch.int64)
-            sampling_kernel.fused_sample(
-                logits, params.do_sample, params.temperature, params.top_k, params.top_p, self.seed[rows], counter,
-                self.top_k_cap, out,
-            )
-            return out
+        # draw counters: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then one more for
+        # each of the frame's codes 1..15; the talker's next draw follows them
+        counter = (self.n_sampled[rows] - 1) * self.num_groups + code
         gumbel = gumbel_noise(self.seed[rows], counter.unsqueeze(1), logits.shape[-1])[:, 0]
-        return sample(logits, params, gumbel, self.top_k_cap, sampling)
-
-    def _after_code0(self, rows: torch.Tensor, code0: torch.Tensor, hidden: torch.Tensor, act: torch.Tensor) -> None:
-        """Record a sampled codebook-0 token for `rows` where `act` is set."""
-        self.code0[rows] = torch.where(act, code0, self.code0[rows])
-        self.past_hidden[rows] = torch.where(act.unsqueeze(1), hidden, self.past_hidden[rows])
-        self.seen[rows, code0] = self.seen[rows, code0] | act  # touches b entries, not b x vocab
-        self.n_sampled[rows] += act.long()
+        token = sample(logits, params, gumbel, self.top_k_cap, sampling)
+        self.frame_codes[rows, code] = token
+        embed = self.p_embeddings[code - 1](token)
+        self.p_step_input[rows] = embed
+        if code == 1:
+            self.frame_codes[rows, 0] = self.code0[rows]
+            total = self.p_input[rows, 1].float() + embed.float()
+        else:
+            total = self.embed_sum[rows] + embed.float()
+        if code < self.num_groups - 1:
+            self.embed_sum[rows] = total
+            return
+        step = self.step_idx[rows]
+        text = self.text_embeds[self._arange_slots[rows], step.clamp(max=self.max_text_tokens - 1)]
+        text = torch.where((step < self.text_len[rows]).unsqueeze(1), text, self.pad_embed)
+        self.talker_input[rows] = total.to(self.dtype) + text
+        self.write_pos[rows] = torch.where(self.active[rows], self.pos[rows], self.max_seq_len)
 
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
@@ -298,7 +352,7 @@ class ModelRunner:
         slots = [r.slot for r in rows] + [rows[0].slot] * (batch - len(rows))
         write_pos = torch.full((batch, length), spare, dtype=torch.int64)
         last = torch.zeros(batch, dtype=torch.int64)
-        embeds = torch.zeros(batch, length, self.frame_embeds.shape[-1], device=self.device, dtype=self.dtype)
+        embeds = torch.zeros(batch, length, self.hidden_size, device=self.device, dtype=self.dtype)
         for i, r in enumerate(rows):
             t = r.embeds.shape[0]
             if r.start + t > self.max_seq_len:
@@ -316,14 +370,15 @@ class ModelRunner:
     def prefill_forward(
         self, embeds: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, last: torch.Tensor, *, kv_len: int
     ) -> torch.Tensor:
-        """Talker over padded prompt pieces [b, t, hidden]; returns each row's last hidden state [b, hidden].
+        """Talker over padded prompt pieces [b, t, hidden]; returns each row's last hidden state [b, hidden],
+        after the final norm.
 
         Fixed shapes for a given (b, t, kv_len) and no host synchronisation, so it can be captured.
         """
         keys = torch.arange(kv_len, device=self.device)
         mask = (keys <= write_pos.unsqueeze(-1)).unsqueeze(1)  # [b, 1, t, kv_len]
         hidden = self._talker_forward(embeds, slots.unsqueeze(1), write_pos, slots, kv_len, mask)
-        return hidden[self._arange_slots[: embeds.shape[0]], last]
+        return self.norm(hidden[self._arange_slots[: embeds.shape[0]], last])
 
     def finish_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
         """Advance the slots' positions; rows that end their prompt sample their first codebook-0 token."""
@@ -334,8 +389,7 @@ class ModelRunner:
             return
         act = upload([r.sample for r in rows], torch.bool, self.device)
         hidden = last_hidden[:n]
-        code0 = self._sample_code0(self.codec_head(hidden), slots)
-        self._after_code0(slots, code0, hidden, act)
+        self._record_code0(self.codec_head(hidden), slots, act, hidden, frame=False)
 
     @torch.inference_mode()
     def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:
@@ -349,38 +403,17 @@ class ModelRunner:
         self.talker_step(b, kv_len, talker_sampling)
 
     def predict_codes(self, b: int, sampling: bool = True) -> None:
-        """The 15-step code predictor: fills `frame_codes` and `frame_embeds` (sum of the 16 code embeddings)."""
-        code0 = self.code0[:b]
-        # one draw counter per code: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then
-        # one more for each of this frame's predictor codes 1..15; the talker's next draw follows them
-        base = (self.n_sampled[:b] - 1) * self.num_groups
-        counters = base + 1 + torch.arange(self.num_groups - 1, device=self.device).unsqueeze(1)  # [15, b]
-        embeds = [self.codec_embedding(code0)]
-        codes = [code0]
-        x = torch.stack([self.past_hidden[:b], embeds[0]], dim=1)
-        for j in range(self.num_groups - 1):
-            hidden = self._predictor_forward(x, b, start=0 if j == 0 else j + 1)
-            code = self._sample_code(self._predictor_logits(hidden, j), b, counters[j], sampling)
-            codes.append(code)
-            embeds.append(self.p_embeddings[j](code))
-            x = embeds[-1].unsqueeze(1)
-        self.frame_codes[:b] = torch.stack(codes, dim=1)
-        self.frame_embeds[:b] = torch.stack(embeds, dim=1).sum(1)
+        """The 15-step code predictor: fills `frame_codes`, then the talker's input and write position."""
+        x = self.p_input[:b]
+        for code in range(1, self.num_groups):
+            hidden = self._predictor_forward(x, b, start=0 if code == 1 else code)
+            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1]), code, b, sampling)
+            x = self.p_step_input[:b].unsqueeze(1)
 
     def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
-        """Talker on this frame's codes plus the next text-track token, then sample the next codebook-0 token."""
-        act = self.active[:b]
+        """Talker on this frame's input, then sample and record the next codebook-0 token."""
         rows = self._arange_slots[:b]
-        step = self.step_idx[:b]
-        text_id = self.text_ids[rows, step.clamp(max=self.max_text_tokens - 1)]
-        text_id = torch.where(step < self.text_len[:b], text_id, torch.full_like(text_id, self.tts_pad_id))
-        x = self.frame_embeds[:b] + self.text_track_embeddings(text_id)
-
-        write_pos = torch.where(act, self.pos[:b], torch.full_like(step, self.max_seq_len)).unsqueeze(1)
-        mask = (torch.arange(kv_len, device=self.device).unsqueeze(0) <= write_pos).view(b, 1, 1, kv_len)
-        hidden = self._talker_forward(x.unsqueeze(1), rows.unsqueeze(1), write_pos, slice(0, b), kv_len, mask)[:, 0]
-        new_code0 = self._sample_code0(self.codec_head(hidden), slice(0, b), sampling)
-        self._after_code0(rows, new_code0, hidden, act)
-        self.pos[:b] += act.long()
-        self.step_idx[:b] += act.long()
-        self.finished[:b] = act & (new_code0 == self.eos_id)
+        write_pos = self.write_pos[:b].unsqueeze(1)
+        hidden = self._talker_forward(self.talker_input[:b].unsqueeze(1), rows.unsqueeze(1), write_pos, slice(0, b), kv_len, None)[:, 0]
+        logits = self._logits(hidden, self.norm, self.codec_head)
+        self._record_code0(logits, rows, self.active[:b], hidden, frame=True, sampling=sampling)

@@ -31,7 +31,7 @@ try:
 except ImportError:  # keeps the module importable without triton; available() reports False
     triton = None
 
-__all__ = ["available", "fused_sample"]
+__all__ = ["available", "fused_sample", "sampling_shapes", "sampling_warps"]
 
 
 @_jit
@@ -61,12 +61,11 @@ def _log(x, LIBDEVICE: tl.constexpr):
 @_jit
 def _draw(
     s,
-    row,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    seed_ptr,
-    counter_ptr,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    counter,
     VP: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,
@@ -96,21 +95,63 @@ def _draw(
         token = VP - 1 - keys.to(tl.int32)
     # warp_candidates: temperature, top-k, then drop a candidate whose better-ranked mass reaches top_p
     rank = tl.arange(0, KP)
-    logit = tl.math.div_rn(value, tl.load(temperature_ptr + row))
-    logit = tl.where((rank < K) & (rank < tl.load(top_k_ptr + row)), logit, float("-inf"))
+    logit = tl.math.div_rn(value, temperature)
+    logit = tl.where((rank < K) & (rank < top_k), logit, float("-inf"))
     e = _exp(logit - tl.max(logit, 0), LIBDEVICE)
     probs = tl.math.div_rn(e, tl.sum(e, 0))
     better = tl.cumsum(probs, 0) - probs
-    logit = tl.where((better >= tl.load(top_p_ptr + row)) & (rank > 0), float("-inf"), logit)
+    logit = tl.where((better >= top_p) & (rank > 0), float("-inf"), logit)
     # uniform_noise for these token ids, then -log(-log(u))
-    seed = tl.load(seed_ptr + row)
     h = _pcg_hash(seed.to(tl.uint32) ^ _pcg_hash(token.to(tl.uint32)))
-    h = _pcg_hash(h ^ tl.load(counter_ptr + row).to(tl.uint32))
+    h = _pcg_hash(h ^ counter.to(tl.uint32))
     h = _pcg_hash(h ^ (seed >> 32).to(tl.uint32))
     u = (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
     gumbel = -_log(-_log(u, LIBDEVICE), LIBDEVICE)  # +inf where u rounds to 1: never for a removed candidate
     choice = tl.argmax(tl.where(logit == float("-inf"), logit, logit + gumbel), 0, tie_break_left=True)
     return tl.sum(tl.where(rank == choice, token, 0), 0).to(tl.int64)
+
+
+@_jit
+def _sample_row(
+    scores_ptr,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    counter,
+    seen_ptr,
+    penalty,
+    suppress_ptr,
+    eos_id,
+    eos_blocked,
+    V: tl.constexpr,
+    VP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    PENALTY: tl.constexpr,
+    SUPPRESS: tl.constexpr,
+    EOS: tl.constexpr,
+    KEY32: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """The sampled (or argmax) token of one row of scores after the optional talker processors: the
+    repetition penalty (`seen_ptr`: the row's flags), `suppress_ptr`, and token `eos_id` when `eos_blocked`."""
+    idx = tl.arange(0, VP)
+    in_vocab = idx < V
+    s = tl.load(scores_ptr + idx, mask=in_vocab, other=float("-inf")).to(tl.float32)
+    if PENALTY:
+        seen = tl.load(seen_ptr + idx, mask=in_vocab, other=0) != 0
+        s = tl.where(seen, tl.where(s < 0, s * penalty, tl.math.div_rn(s, penalty)), s)
+    if SUPPRESS:
+        s = tl.where(tl.load(suppress_ptr + idx, mask=in_vocab, other=0) != 0, float("-inf"), s)
+    if EOS:
+        s = tl.where((idx == eos_id) & eos_blocked, float("-inf"), s)
+    if do_sample:
+        token = _draw(s, temperature, top_k, top_p, seed, counter, VP, K, KP, KEY32, LIBDEVICE)
+    else:
+        token = tl.argmax(s, 0, tie_break_left=True).to(tl.int64)
+    return token
 
 
 @_jit
@@ -142,24 +183,24 @@ def _sample_kernel(
 ):
     """out[row] = the sampled (or argmax) token of scores[row] after the optional talker processors."""
     row = tl.program_id(0).to(tl.int64)
-    idx = tl.arange(0, VP)
-    in_vocab = idx < V
-    s = tl.load(scores_ptr + row * stride_scores + idx, mask=in_vocab, other=float("-inf")).to(tl.float32)
-    if PENALTY:
-        penalty = tl.load(penalty_ptr + row)
-        seen = tl.load(seen_ptr + row * stride_seen + idx, mask=in_vocab, other=0) != 0
-        s = tl.where(seen, tl.where(s < 0, s * penalty, tl.math.div_rn(s, penalty)), s)
-    if SUPPRESS:
-        s = tl.where(tl.load(suppress_ptr + idx, mask=in_vocab, other=0) != 0, float("-inf"), s)
-    if EOS:
-        s = tl.where((idx == eos_id) & (tl.load(eos_blocked_ptr + row) != 0), float("-inf"), s)
-    if tl.load(do_sample_ptr + row) != 0:
-        token = _draw(
-            s, row, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, counter_ptr, VP, K, KP, KEY32, LIBDEVICE
-        )
-    else:
-        token = tl.argmax(s, 0, tie_break_left=True).to(tl.int64)
+    token = _sample_row(
+        scores_ptr + row * stride_scores, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row),
+        tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(seed_ptr + row), tl.load(counter_ptr + row),
+        seen_ptr + row * stride_seen, tl.load(penalty_ptr + row) if PENALTY else 1.0, suppress_ptr, eos_id,
+        tl.load(eos_blocked_ptr + row) != 0 if EOS else False, V, VP, K, KP, PENALTY, SUPPRESS, EOS, KEY32, LIBDEVICE,
+    )
     tl.store(out_ptr + row, token)
+
+
+def sampling_shapes(vocab: int, cap: int, bf16_logits: bool) -> dict[str, int | bool]:
+    """The sampling constexprs for a vocabulary and top-k cap; `bf16_logits`: the scores are untouched bf16."""
+    k, vp = min(cap, vocab), triton.next_power_of_2(vocab)
+    return {"V": vocab, "VP": vp, "K": k, "KP": triton.next_power_of_2(k), "KEY32": bf16_logits and vp <= 1 << 16}
+
+
+def sampling_warps(vocab: int) -> int:
+    """About 16 sort keys per thread."""
+    return max(1, min(8, triton.next_power_of_2(vocab) // 512))
 
 
 def fused_sample(
@@ -195,7 +236,6 @@ def fused_sample(
     if (seen is None) != (penalty is None) or (eos_blocked is not None and not 0 <= eos_id < vocab):
         raise ValueError("seen needs penalty, and eos_blocked an eos_id within the vocabulary")
     optional = [t if t is not None else out for t in (seen, penalty, suppress, eos_blocked)]  # unused if None
-    k, vp = min(cap, vocab), triton.next_power_of_2(vocab)
     _sample_kernel[(b,)](
         scores,
         scores.stride(0),
@@ -203,14 +243,10 @@ def fused_sample(
         *optional,
         seen.stride(0) if seen is not None else 0,
         eos_id,
-        V=vocab,
-        VP=vp,
-        K=k,
-        KP=triton.next_power_of_2(k),
+        **sampling_shapes(vocab, cap, scores.dtype == torch.bfloat16 and seen is None),
         PENALTY=seen is not None,
         SUPPRESS=suppress is not None,
         EOS=eos_blocked is not None,
-        KEY32=scores.dtype == torch.bfloat16 and seen is None and vp <= 1 << 16,
         LIBDEVICE=not _interpreting(),
-        num_warps=max(1, min(8, vp // 512)),  # about 16 sort keys per thread
+        num_warps=sampling_warps(vocab),
     )
