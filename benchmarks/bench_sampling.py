@@ -1,6 +1,7 @@
 """Time the sampling kernel at a frame's shapes, per warp count, inside CUDA graphs (H200 tuning aid).
 
-A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
+Modes: "top-k" (the official defaults: top-k 50, top-p 1.0: no sort), "top-p" (top-p 0.9: sorted),
+"greedy". A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
 codes, with the repetition penalty, so fp32 scores). One graph holds 15 launches one after another; the
 median replay over 15 is one sampling's latency. `sampling_warps` picks the warps the engine uses.
 
@@ -24,19 +25,19 @@ from qwen3tts_agent.engine import sampling_kernel  # noqa: E402
 LAUNCHES = 15
 
 
-def rows(b: int, sampled: bool, device: torch.device) -> dict[str, torch.Tensor]:
-    """The official defaults (temperature 0.9, top-k 50, top-p 1.0) or greedy rows."""
+def rows(b: int, mode: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The official defaults (temperature 0.9, top-k 50, top-p 1.0), the same with top-p 0.9, or greedy rows."""
     return {
-        "do_sample": torch.full((b,), sampled, device=device),
+        "do_sample": torch.full((b,), mode != "greedy", device=device),
         "temperature": torch.full((b,), 0.9, device=device),
         "top_k": torch.full((b,), 50, device=device, dtype=torch.int64),
-        "top_p": torch.ones(b, device=device),
+        "top_p": torch.full((b,), 0.9 if mode == "top-p" else 1.0, device=device),
         "seed": torch.arange(b, device=device) + 7,
         "counter": torch.arange(b, device=device),
     }
 
 
-def time_case(vocab: int, talker: bool, b: int, sampled: bool, warps: int, device: torch.device) -> float:
+def time_case(vocab: int, talker: bool, b: int, mode: str, warps: int, device: torch.device) -> float:
     dtype = torch.float32 if talker else torch.bfloat16
     scores = torch.randn(b, vocab, device=device).to(dtype)
     out = torch.empty(b, device=device, dtype=torch.int64)
@@ -47,7 +48,7 @@ def time_case(vocab: int, talker: bool, b: int, sampled: bool, warps: int, devic
             "suppress": torch.zeros(vocab, device=device, dtype=torch.bool), "eos_id": vocab - 1,
             "eos_blocked": torch.zeros(b, device=device, dtype=torch.bool),
         }
-    params = rows(b, sampled, device)
+    params = rows(b, mode, device)
     saved = sampling_kernel.sampling_warps
     sampling_kernel.sampling_warps = lambda _vocab: warps
     try:
@@ -65,17 +66,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     device = torch.device("cuda")
     results = []
     for name, vocab, talker in (("predictor", 2048, False), ("talker", 3072, True)):
         for b in args.batches:
-            for sampled in (True, False):
+            for mode in ("top-k", "top-p", "greedy"):
                 default = sampling_kernel.sampling_warps(vocab)
-                for warps in (1, 2, 4, 8, 16):
-                    us = 1e6 * time_case(vocab, talker, b, sampled, warps, device)
-                    results.append({"case": name, "b": b, "sampled": sampled, "warps": warps, "us": us, "default": warps == default})
-                    log(f"{name} b={b} {'sampled' if sampled else 'greedy '} warps={warps:2d}: {us:6.2f} us{' (default)' if warps == default else ''}")
+                for warps in args.warps:
+                    us = 1e6 * time_case(vocab, talker, b, mode, warps, device)
+                    results.append({"case": name, "b": b, "mode": mode, "warps": warps, "us": us, "default": warps == default})
+                    log(f"{name} b={b} {mode:6s} warps={warps:2d}: {us:6.2f} us{' (default)' if warps == default else ''}")
     if args.out:
         args.out.write_text(json.dumps({"launches_per_graph": LAUNCHES, "results": results}, indent=1))
 

@@ -9,6 +9,7 @@ JSON; the tests below assert on them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -28,8 +29,9 @@ REAL_TILES = {"block_n": 64, "block_k": 2048}
 REAL_PATCH = {"FP32_BLOCK_K": 1024, "_sm_count": 16}
 
 
-def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool, t: int = 1) -> dict[str, Any]:
-    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked, "t": t}
+def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool, t: int = 1, block_k: int = 0) -> dict[str, Any]:
+    """block_k: every product's K block (0: the defaults), small enough to split the tiny widths' K."""
+    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked, "t": t, "block_k": block_k}
 
 
 CASES = (
@@ -43,6 +45,10 @@ CASES = (
     + [_case("tiny", dt, b, 2, False, t=2) for dt in ("float32", "bfloat16") for b in (1, 3, 40)]
     + [_case("tiny", "float32", b, 200, True, t=2) for b in (3, 40)]
     + [_case("real", "bfloat16", 3, 2, False, t=2)]
+    # attention inside the QKV product (kernels.fuses_attention: few rows, short caches), K split or not
+    + [_case("tiny", "float32", 3, 20, False), _case("tiny", "bfloat16", 1, 16, False, block_k=16)]
+    + [_case("tiny", "float32", 2, 2, False, t=2, block_k=16), _case("tiny", "float32", 4, 30, True, block_k=16)]
+    + [_case("real", "float32", 1, 16, False), _case("real", "bfloat16", 2, 2, False, t=2)]
 )
 # max |error| / max |reference|. The interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even),
 # so its bf16 errors run about twice those on a GPU.
@@ -51,7 +57,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 def _case_id(case: dict[str, Any]) -> str:
     mask, tokens = "mask" if case["masked"] else "nomask", f"-t{case['t']}" if case["t"] > 1 else ""
-    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}{tokens}".format(**case, mask=mask, tokens=tokens)
+    block = f"-k{case['block_k']}" if case["block_k"] else ""
+    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}{tokens}{block}".format(**case, mask=mask, tokens=tokens, block=block)
 
 
 # ------------------------------------------------------------------------------------ child process (interpreter)
@@ -106,13 +113,19 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         ref = layer(x, cos[write_pos], sin[write_pos], ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
 
-    with _patched(kernels, case["shape"] == "real"):
+    with _patched(kernels, case["shape"] == "real", case["block_k"]):
         assert kernels.available(torch.device("cpu"))
         out_k, out_v = cache_k.clone(), cache_v.clone()
         out = kernels.decode_layer(layer, x, cos, sin, out_k, out_v, write_pos, read_len, masked=masked)
         tiles = kernels.gemv_tiles("residual", shape["hidden"], shape["ffn"], b * t)
         grid = kernels._gemv_grid(shape["hidden"], shape["ffn"], b * t, dtype, tiles, x.device)
+        n_qkv = layer.w_qkv.shape[0]
+        qkv_tiles = kernels.gemv_tiles("norm", n_qkv, shape["hidden"], b * t)
+        qkv_tiles = dataclasses.replace(qkv_tiles, block_n=min(qkv_tiles.block_n, d))  # as the fused launch cuts it
+        qkv_splits = kernels._gemv_grid(n_qkv, shape["hidden"], b * t, dtype, qkv_tiles, x.device)["SPLITS"]
         attn_splits = kernels._kv_splits(b * kv_heads, read_len, x.device)[0]
+        fused = kernels.fuses_attention(b * t, read_len)
+        counters_clear = bool((kernels._counters(x.device) == 0).all())
 
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[torch.arange(b)[:, None], :, write_pos] = True
@@ -129,19 +142,25 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         "written_changed": bool((out_k[written] != cache_k[written]).any()),
         "attn_splits": attn_splits,
         "gemv_splits": grid["SPLITS"],
+        "fused_attention": fused,
+        "fused_qkv_splits": qkv_splits if fused else 0,
+        "counters_clear": counters_clear,
     }
 
 
 @contextlib.contextmanager
-def _patched(kernels: Any, real: bool) -> Iterator[None]:
-    """Interpreter-sized tiles for the real-width cases (see REAL_TILES)."""
-    if not real:
+def _patched(kernels: Any, real: bool, block_k: int) -> Iterator[None]:
+    """Interpreter-sized tiles for the real-width cases (see REAL_TILES), or every product's K block."""
+    if not real and not block_k:
         yield
         return
     saved = {name: getattr(kernels, name) for name in (*REAL_PATCH, "gemv_tiles")}
-    kernels.FP32_BLOCK_K = REAL_PATCH["FP32_BLOCK_K"]
-    kernels._sm_count = lambda device: REAL_PATCH["_sm_count"]
-    kernels.gemv_tiles = lambda *args: kernels.GemvTiles(**REAL_TILES)
+    if real:
+        kernels.FP32_BLOCK_K = REAL_PATCH["FP32_BLOCK_K"]
+        kernels._sm_count = lambda device: REAL_PATCH["_sm_count"]
+        kernels.gemv_tiles = lambda *args: kernels.GemvTiles(**REAL_TILES)
+    else:
+        kernels.gemv_tiles = lambda *args: kernels.GemvTiles(block_k=block_k)
     try:
         yield
     finally:
@@ -248,6 +267,7 @@ def test_decode_layer_matches_torch_path(results: dict[str, dict[str, Any]], cas
     assert r["k"] <= tol and r["v"] <= tol, r
     assert r["rest_untouched"], "only the written cache columns may change"
     assert r["written_changed"], "the new keys were not written"
+    assert r["counters_clear"], "every launch must leave its arrival counters zeroed"
 
 
 @pytest.mark.parametrize("case", GEMV_CASES, ids=[c[0] for c in GEMV_CASES])
@@ -299,9 +319,12 @@ def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool) -> None:
 
 
 def test_cases_cover_single_and_split_paths(results: dict[str, dict[str, Any]]) -> None:
-    attn = {results[_case_id(c)]["attn_splits"] > 1 for c in CASES}
-    gemv = {results[_case_id(c)]["gemv_splits"] > 1 for c in CASES}
+    cases = [results[_case_id(c)] for c in CASES]
+    attn = {r["attn_splits"] > 1 for r in cases if not r["fused_attention"]}
+    gemv = {r["gemv_splits"] > 1 for r in cases}
+    fused_qkv = {r["fused_qkv_splits"] > 1 for r in cases if r["fused_attention"]}
     assert attn == {True, False} and gemv == {True, False}
+    assert fused_qkv == {True, False}, "attention fused into a QKV product with and without K splits"
 
 
 if __name__ == "__main__":

@@ -66,10 +66,12 @@ def warp_candidates(scores: torch.Tensor, rows: SamplerRows, cap: int) -> tuple[
     rank = torch.arange(values.shape[-1], device=scores.device)
     values = values.masked_fill(rank >= rows.top_k.unsqueeze(1), float("-inf"))
     # transformers drops the low tail whose ascending cumulative mass is <= 1 - top_p; in descending order
-    # that is a token whose better-ranked mass is already >= top_p. The best token always stays.
+    # that is a token whose better-ranked mass is already >= top_p. The best token always stays. Like
+    # transformers, top_p >= 1 cuts nothing (rounding could otherwise reach 1 before the last candidate).
     probs = values.softmax(dim=-1)
     better_mass = probs.cumsum(dim=-1) - probs
-    values = values.masked_fill((better_mass >= rows.top_p.unsqueeze(1)) & (rank > 0), float("-inf"))
+    top_p = rows.top_p.unsqueeze(1)
+    values = values.masked_fill((better_mass >= top_p) & (rank > 0) & (top_p < 1.0), float("-inf"))
     return values, ids
 
 
