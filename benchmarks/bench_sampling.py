@@ -1,7 +1,7 @@
 """Time the sampling kernel at a frame's shapes, per warp count, inside CUDA graphs (H200 tuning aid).
 
-Modes: "top-k" (the official defaults: top-k 50, top-p 1.0: no sort), "top-p" (top-p 0.9: sorted),
-"greedy". A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
+Modes: "top-k" (the official defaults: top-k 50, top-p 1.0), "top-p" (the same with top-p 0.9), "greedy".
+A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
 codes, with the repetition penalty, so fp32 scores). One graph holds 15 launches one after another; the
 median replay over 15 is one sampling's latency. `sampling_warps` picks the warps the engine uses.
 

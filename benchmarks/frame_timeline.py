@@ -80,16 +80,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kv-len", type=int, default=256)
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--fused-attention-keys", type=int, help="override kernels.FUSED_ATTENTION_MAX_KEYS")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                        help="override an integer constant of qwen3tts_agent.engine.kernels (an A/B switch)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.fused_attention_keys is not None:
-        kernels.FUSED_ATTENTION_MAX_KEYS = args.fused_attention_keys
+    overrides = dict(item.split("=", 1) for item in args.set)
+    for name, value in overrides.items():
+        if not isinstance(getattr(kernels, name, None), int):
+            parser.error(f"kernels.{name} is not an integer constant")
+        setattr(kernels, name, int(value))
     official = load_official_model(args.model, device="cuda", dtype=torch.bfloat16)
     engine = Engine(official, max_streams=max(1, args.batch), max_seq_len=max(512, args.kv_len))
     runner = engine._runner
     for slot in range(args.batch):  # the default sampling (top-k 50 of a sort), as streams use it
-        runner.reset_slot(slot, asdict(SamplingParams()))
+        runner.reset_slot(slot, asdict(SamplingParams(seed=slot)))
     runner.active.zero_()  # every row inactive: a frame's work, but no slot's state moves
     with torch.inference_mode():
         side = torch.cuda.Stream()
@@ -107,8 +111,7 @@ def main() -> None:
     summaries = [summarize(r) for r in replays]
     spans = [s["span_us"] for s in summaries]
     best = replays[spans.index(statistics.median_low(spans))]
-    report = {"model": args.model, "batch": args.batch, "kv_len": args.kv_len, "spans_us": spans,
-              "fused_attention_max_keys": kernels.FUSED_ATTENTION_MAX_KEYS,
+    report = {"model": args.model, "batch": args.batch, "kv_len": args.kv_len, "overrides": overrides, "spans_us": spans,
               "median_replay": summarize(best), "timeline": best}
     log(f"spans (µs): {[round(s, 1) for s in spans]}; median replay: {len(best)} kernels")
     for name, row in list(report["median_replay"]["by_name"].items())[:12]:

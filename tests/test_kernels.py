@@ -9,7 +9,6 @@ JSON; the tests below assert on them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -29,9 +28,8 @@ REAL_TILES = {"block_n": 64, "block_k": 2048}
 REAL_PATCH = {"FP32_BLOCK_K": 1024, "_sm_count": 16}
 
 
-def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool, t: int = 1, block_k: int = 0) -> dict[str, Any]:
-    """block_k: every product's K block (0: the defaults), small enough to split the tiny widths' K."""
-    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked, "t": t, "block_k": block_k}
+def _case(shape: str, dtype: str, b: int, read_len: int, masked: bool, t: int = 1) -> dict[str, Any]:
+    return {"shape": shape, "dtype": dtype, "b": b, "read_len": read_len, "masked": masked, "t": t}
 
 
 CASES = (
@@ -45,10 +43,6 @@ CASES = (
     + [_case("tiny", dt, b, 2, False, t=2) for dt in ("float32", "bfloat16") for b in (1, 3, 40)]
     + [_case("tiny", "float32", b, 200, True, t=2) for b in (3, 40)]
     + [_case("real", "bfloat16", 3, 2, False, t=2)]
-    # attention inside the QKV product (kernels.fuses_attention: few rows, short caches), K split or not
-    + [_case("tiny", "float32", 3, 20, False), _case("tiny", "bfloat16", 1, 16, False, block_k=16)]
-    + [_case("tiny", "float32", 2, 2, False, t=2, block_k=16), _case("tiny", "float32", 4, 30, True, block_k=16)]
-    + [_case("real", "float32", 1, 16, False), _case("real", "bfloat16", 2, 2, False, t=2)]
 )
 # max |error| / max |reference|. The interpreter truncates fp32 -> bf16 casts (a GPU rounds to nearest even),
 # so its bf16 errors run about twice those on a GPU.
@@ -57,8 +51,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 def _case_id(case: dict[str, Any]) -> str:
     mask, tokens = "mask" if case["masked"] else "nomask", f"-t{case['t']}" if case["t"] > 1 else ""
-    block = f"-k{case['block_k']}" if case["block_k"] else ""
-    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}{tokens}{block}".format(**case, mask=mask, tokens=tokens, block=block)
+    return "{shape}-{dtype}-b{b}-len{read_len}-{mask}{tokens}".format(**case, mask=mask, tokens=tokens)
 
 
 # ------------------------------------------------------------------------------------ child process (interpreter)
@@ -113,19 +106,13 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         ref = layer(x, cos[write_pos], sin[write_pos], ref_k, ref_v, torch.arange(b)[:, None], write_pos, slice(0, b), read_len, mask)
 
-    with _patched(kernels, case["shape"] == "real", case["block_k"]):
+    with _patched(kernels, case["shape"] == "real"):
         assert kernels.available(torch.device("cpu"))
         out_k, out_v = cache_k.clone(), cache_v.clone()
         out = kernels.decode_layer(layer, x, cos, sin, out_k, out_v, write_pos, read_len, masked=masked)
         tiles = kernels.gemv_tiles("residual", shape["hidden"], shape["ffn"], b * t)
         grid = kernels._gemv_grid(shape["hidden"], shape["ffn"], b * t, dtype, tiles, x.device)
-        n_qkv = layer.w_qkv.shape[0]
-        qkv_tiles = kernels.gemv_tiles("norm", n_qkv, shape["hidden"], b * t)
-        qkv_tiles = dataclasses.replace(qkv_tiles, block_n=min(qkv_tiles.block_n, d))  # as the fused launch cuts it
-        qkv_splits = kernels._gemv_grid(n_qkv, shape["hidden"], b * t, dtype, qkv_tiles, x.device)["SPLITS"]
         attn_splits = kernels._kv_splits(b * kv_heads, read_len, x.device)[0]
-        fused = kernels.fuses_attention(b * t, read_len)
-        counters_clear = bool((kernels._counters(x.device) == 0).all())
 
     written = torch.zeros_like(cache_k, dtype=torch.bool)
     written[torch.arange(b)[:, None], :, write_pos] = True
@@ -142,25 +129,19 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
         "written_changed": bool((out_k[written] != cache_k[written]).any()),
         "attn_splits": attn_splits,
         "gemv_splits": grid["SPLITS"],
-        "fused_attention": fused,
-        "fused_qkv_splits": qkv_splits if fused else 0,
-        "counters_clear": counters_clear,
     }
 
 
 @contextlib.contextmanager
-def _patched(kernels: Any, real: bool, block_k: int) -> Iterator[None]:
-    """Interpreter-sized tiles for the real-width cases (see REAL_TILES), or every product's K block."""
-    if not real and not block_k:
+def _patched(kernels: Any, real: bool) -> Iterator[None]:
+    """Interpreter-sized tiles for the real-width cases (see REAL_TILES)."""
+    if not real:
         yield
         return
     saved = {name: getattr(kernels, name) for name in (*REAL_PATCH, "gemv_tiles")}
-    if real:
-        kernels.FP32_BLOCK_K = REAL_PATCH["FP32_BLOCK_K"]
-        kernels._sm_count = lambda device: REAL_PATCH["_sm_count"]
-        kernels.gemv_tiles = lambda *args: kernels.GemvTiles(**REAL_TILES)
-    else:
-        kernels.gemv_tiles = lambda *args: kernels.GemvTiles(block_k=block_k)
+    kernels.FP32_BLOCK_K = REAL_PATCH["FP32_BLOCK_K"]
+    kernels._sm_count = lambda device: REAL_PATCH["_sm_count"]
+    kernels.gemv_tiles = lambda *args: kernels.GemvTiles(**REAL_TILES)
     try:
         yield
     finally:
@@ -267,7 +248,6 @@ def test_decode_layer_matches_torch_path(results: dict[str, dict[str, Any]], cas
     assert r["k"] <= tol and r["v"] <= tol, r
     assert r["rest_untouched"], "only the written cache columns may change"
     assert r["written_changed"], "the new keys were not written"
-    assert r["counters_clear"], "every launch must leave its arrival counters zeroed"
 
 
 @pytest.mark.parametrize("case", GEMV_CASES, ids=[c[0] for c in GEMV_CASES])
@@ -291,40 +271,69 @@ def test_engine_with_kernels_matches_torch_layers(results: dict[str, dict[str, A
     assert engine["kernels"]["codes"] == engine["torch"]["codes"]
 
 
-@pytest.mark.parametrize("pdl", [True, False])
-def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool) -> None:
-    """Compiled for sm_90 (no GPU needed): with PDL on, the GEMV loads its weights, then waits for its inputs."""
+def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool) -> list[str]:
+    """The kernel compiled for sm_90 (no GPU needed), as PTX lines; pointers and strides 16-byte aligned."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name.startswith("stride")}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"].splitlines()
+
+
+def _first(lines: list[str], text: str) -> int:
+    return next((i for i, line in enumerate(lines) if text in line), -1)
+
+
+@pytest.mark.parametrize("pdl,late", [(True, False), (False, False), (True, True)])
+def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool, late: bool) -> None:
+    """With PDL on, the GEMV loads its weights, then waits for its inputs; it lets the next kernel start before
+    that wait, or after it with LATE_TRIGGER."""
     from qwen3tts_agent.engine import kernels
 
     pointers = dict.fromkeys(("x_ptr", "g_ptr", "w_ptr", "res_ptr", "out_ptr"), "*bf16")
     signature = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32", "rows": "i32", "eps": "fp32",
                  "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "rows" and name != "eps"}
     constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, BIAS=False, ROW_TILES=1, SPLITS=4,
-                     SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl)
-    source = ASTSource(kernels._gemv_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"]
-    lines = ptx.splitlines()
-    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+                     SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl,
+                     LATE_TRIGGER=late, ROW_SUMSQ=True)
+    lines = _ptx(kernels._gemv_kernel, signature, constants, pdl)
+    wait, trigger = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     loads = [i for i, line in enumerate(lines) if "ld.global" in line]
-    assert bool(waits) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+    assert (wait >= 0) == pdl and (trigger >= 0) == pdl
     if pdl:
-        weight_loads = [i for i in loads if i < waits[0]]
-        assert len(weight_loads) == 8, "the 32 x 256 bf16 weight tile: eight 16-byte loads per thread"
-        assert any(i > waits[0] for i in loads), "the inputs are loaded after the wait"
+        assert len([i for i in loads if i < wait]) == 8, "the 32 x 256 bf16 weight tile: eight 16-byte loads per thread"
+        assert any(i > wait for i in loads), "the inputs are loaded after the wait"
+        assert (trigger > wait) == late
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_attention_prefetch_loads_before_its_wait(prefetch: bool) -> None:
+    """PREFETCH: the position, RoPE rows and first cache block are loaded before the wait for q/k/v."""
+    from qwen3tts_agent.engine import kernels
+
+    signature = {
+        **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
+        **dict.fromkeys(("q_norm_ptr", "k_norm_ptr", "cache_k_ptr", "cache_v_ptr", "out_ptr"), "*bf16"),
+        "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32", "read_len": "i32", "keys_per_split": "i32",
+        "eps": "fp32", "scale": "fp32",
+        **dict.fromkeys(("stride_qkv", "stride_cos", "stride_sin", "stride_pos", "stride_slot", "stride_head",
+                         "stride_len", "stride_out"), "i32"),
+    }
+    constants = dict(Q_SIZE=2048, KV_SIZE=1024, KV_HEADS=8, GROUP=2, Q_ROWS=16, HEAD_DIM=128, BLOCK_KEYS=32, SPLITS=1,
+                     LIMIT_TO_POS=False, DOT_F32=False, PRECISION="tf32", PDL=True, EARLY_KEYS=True, PREFETCH=prefetch)
+    lines = _ptx(kernels._attention_kernel, signature, constants, True)
+    wait = _first(lines, "griddepcontrol.wait")
+    early = [i for i, line in enumerate(lines[:wait]) if "ld.global" in line]
+    assert wait >= 0 and bool(early) == prefetch
+    assert any("ld.global" in line for line in lines[wait:]), "q/k/v are loaded after the wait"
 
 
 def test_cases_cover_single_and_split_paths(results: dict[str, dict[str, Any]]) -> None:
-    cases = [results[_case_id(c)] for c in CASES]
-    attn = {r["attn_splits"] > 1 for r in cases if not r["fused_attention"]}
-    gemv = {r["gemv_splits"] > 1 for r in cases}
-    fused_qkv = {r["fused_qkv_splits"] > 1 for r in cases if r["fused_attention"]}
+    attn = {results[_case_id(c)]["attn_splits"] > 1 for c in CASES}
+    gemv = {results[_case_id(c)]["gemv_splits"] > 1 for c in CASES}
     assert attn == {True, False} and gemv == {True, False}
-    assert fused_qkv == {True, False}, "attention fused into a QKV product with and without K splits"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +61,12 @@ MAX_KV_SPLITS = 16
 # Up to this many rows attention loads its first cache block with q/k/v (`_attention_kernel`); on an H200
 # that helped a 1-4 row frame, while at 256 rows it took attention from 5.2 to 5.7 ms per frame.
 EARLY_KEYS_MAX_ROWS = 16
-# Up to this many token rows and keys, attention runs inside the QKV product (`_qkv_attention_kernel`): the
-# code predictor's steps (at most 16 keys). The last tile of each head attends its rows one after another.
-FUSED_ATTENTION_MAX_ROWS = 4
-FUSED_ATTENTION_MAX_KEYS = 32
+# Up to this many rows, under PDL, the QKV product lets attention start only after its own wait, and
+# attention then loads its position, RoPE rows and first cache block before waiting for q/k/v.
+PREFETCH_MAX_ROWS = 16
+# Up to this many rows (BLOCK_M) every split program of a norm GEMV sums the rows' squares after its wait,
+# instead of the last one reloading the rows after the reduction; above it that is too much duplicated work.
+EARLY_SUMSQ_MAX_ROWS = 16
 # Programmatic dependent launch (Hopper and later): each GEMV starts while the kernel before it finishes and
 # loads its first weights meanwhile; CUDA-graph capture keeps the launches' dependency type. None: on where
 # the GPU has it (compute capability 9.0 and up). On an H200 it took a 0.6B frame from 4.09 to 3.88 ms with
@@ -115,10 +117,11 @@ def _arrived_last(counter_ptr, arrivals: tl.constexpr):
 
 @_jit
 def _gemv_epilogue(
-    acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out,
+    acc, acc_up, sumsq, res, out_ptr, n, m, n_ok, m_ok, eps, stride_out,
     K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr,
 ):
-    """Scale by 1/rms (NORM), SiLU(gate)*up (GATED), add the residual (RESIDUAL), store [m, n] transposed.
+    """Scale by 1/rms (NORM), SiLU(gate)*up (GATED), add the residual tile `res` (RESIDUAL), store [m, n]
+    transposed.
 
     Each rounding to the model dtype is one the PyTorch path makes when it stores an intermediate; a bias
     (BIAS: the residual is the bias, row stride 0) is added before the one rounding, as in cuBLAS's epilogue.
@@ -136,8 +139,38 @@ def _gemv_epilogue(
     else:
         y = _round(acc, dt)
     if RESIDUAL:
-        y = y + tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=mask, other=0.0).to(tl.float32)
+        y = y + res
     tl.store(out_ptr + m[None, :] * stride_out + n[:, None], y.to(dt), mask=mask)
+
+
+@_jit
+def _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Σx² over whole rows m of x."""
+    sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K_DIM, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
+        xs = xs.to(tl.float32)
+        sumsq += tl.sum(xs * xs, axis=1)
+    return sumsq
+
+
+@_jit
+def _gemv_epilogue_inputs(
+    x_ptr, res_ptr, n, m, n_ok, m_ok, stride_x, stride_res, K_DIM: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROW_SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """What the epilogue needs besides the product, loaded with the inputs so that it is at hand when the
+    reduction ends (each load after it would add a memory round trip to the kernel's latency): the residual
+    tile [BLOCK_N, BLOCK_M] (RESIDUAL) and, for split programs of a norm (ROW_SUMSQ), Σx² over whole rows."""
+    sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    if ROW_SUMSQ:
+        sumsq = _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM, BLOCK_K, BLOCK_M)
+    res = 0.0
+    if RESIDUAL:
+        res = tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=n_ok[:, None] & m_ok[None, :], other=0.0)
+        res = res.to(tl.float32)
+    return sumsq, res
 
 
 @_jit
@@ -163,28 +196,46 @@ def _gemv_weights(w_ptr, n, n_ok, k, K_DIM: tl.constexpr):
 
 
 @_jit
-def _gemv_program(
+def _gemv_kernel(
     x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
     N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     BIAS: tl.constexpr, ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr, ROW_SUMSQ: tl.constexpr,
 ):
-    """One program of `_gemv_kernel`; returns whether it stored a finished output tile."""
+    """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
+
+    Program (tile, split) takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1
+    the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
+    (deterministic, no atomics on data) and runs the epilogue, with Σx² over whole rows for a norm: summed
+    after the wait by every split program with ROW_SUMSQ (few rows), else by the last one.
+    Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
+
+    PDL (programmatic dependent launch): the kernel may start while the previous one still runs; it loads
+    its first weight block, which nothing before it writes, and only then waits for that kernel's results.
+    It lets the next kernel start before that wait, or after it with LATE_TRIGGER, which lets the next kernel
+    read early whatever was written before this one's inputs.
+    """
     tile, split = tl.program_id(0), tl.program_id(1)
     n = (tile // ROW_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (tile % ROW_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = n < N_OUT, m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    sumsq = tl.zeros((BLOCK_M,), tl.float32)
     first: tl.constexpr = 1 if PDL else 0
     if PDL:
         k = split * SPLIT_BLOCKS * BLOCK_K + tl.arange(0, BLOCK_K)
         w = _gemv_weights(w_ptr, n, n_ok, k, K_DIM)
         w_up = _gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM) if GATED else w
-        gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()
+        if LATE_TRIGGER:
+            gdc_launch_dependents()
+    sumsq, res = _gemv_epilogue_inputs(
+        x_ptr, res_ptr, n, m, n_ok, m_ok, stride_x, stride_res, K_DIM, RESIDUAL, ROW_SUMSQ, BLOCK_K, BLOCK_M
+    )
+    if PDL:
         xt, sumsq = _gemv_inputs(x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM, NORM, SPLITS)
         acc = _dot(w, xt, acc, DOT_F32, PRECISION)
         if GATED:
@@ -197,10 +248,8 @@ def _gemv_program(
             acc_up = _dot(_gemv_weights(w_ptr, n + N_OUT, n_ok, k, K_DIM), xt, acc_up, DOT_F32, PRECISION)
     if SPLITS == 1:
         _gemv_epilogue(
-            acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED, RESIDUAL,
-            BIAS,
+            acc, acc_up, sumsq, res, out_ptr, n, m, n_ok, m_ok, eps, stride_out, K_DIM, NORM, GATED, RESIDUAL, BIAS,
         )
-        done = True
     else:
         # partials [SPLITS, 1 + GATED, N_OUT, ROW_TILES * BLOCK_M] in fp32
         rows_pad: tl.constexpr = ROW_TILES * BLOCK_M
@@ -209,8 +258,7 @@ def _gemv_program(
         tl.store(part + split * stride_split, acc, mask=n_ok[:, None])
         if GATED:
             tl.store(part + split * stride_split + N_OUT * rows_pad, acc_up, mask=n_ok[:, None])
-        done = _arrived_last(count_ptr + tile, SPLITS)
-        if done:
+        if _arrived_last(count_ptr + tile, SPLITS):
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for s in tl.static_range(SPLITS):
@@ -219,51 +267,20 @@ def _gemv_program(
                     acc_up += tl.load(
                         part + s * stride_split + N_OUT * rows_pad, mask=n_ok[:, None], other=0.0, cache_modifier=".cg"
                     )
-            if NORM:
-                for k0 in range(0, K_DIM, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
-                    xs = xs.to(tl.float32)
-                    sumsq += tl.sum(xs * xs, axis=1)
+            if NORM and not ROW_SUMSQ:
+                sumsq = _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM, BLOCK_K, BLOCK_M)
             _gemv_epilogue(
-                acc, acc_up, sumsq, res_ptr, out_ptr, n, m, n_ok, m_ok, eps, stride_res, stride_out, K_DIM, NORM, GATED,
-                RESIDUAL, BIAS,
+                acc, acc_up, sumsq, res, out_ptr, n, m, n_ok, m_ok, eps, stride_out, K_DIM, NORM, GATED, RESIDUAL, BIAS,
             )
             tl.store(count_ptr + tile, 0)  # ready for the next launch
-    return done
-
-
-@_jit
-def _gemv_kernel(
-    x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
-    N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-    BIAS: tl.constexpr, ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
-
-    Program (tile, split) takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1
-    the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
-    (deterministic, no atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
-    Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
-
-    PDL (programmatic dependent launch): the kernel may start while the previous one still runs; it loads
-    its first weight block, which nothing before it writes, and only then waits for that kernel's results.
-    """
-    _gemv_program(
-        x_ptr, g_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_res, stride_out,
-        N_OUT, K_DIM, NORM, GATED, RESIDUAL, BIAS, ROW_TILES, SPLITS, SPLIT_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
-        PRECISION, PDL,
-    )
 
 
 @_jit
 def _norm_rope(head_ptrs, mask, d, d_rot, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
     """Per-head RMSNorm then x*cos + roll(x, d/2)*sin for heads [R, 1] -> [R, HEAD_DIM], in fp32."""
     dt = head_ptrs.dtype.element_ty
-    x = tl.load(head_ptrs + d[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    x_rot = tl.load(head_ptrs + d_rot[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = tl.load(head_ptrs + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rot = tl.load(head_ptrs + d_rot[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     y = _round(x * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :], dt)
     y_rot = _round(x_rot * rstd * tl.load(w_ptr + d_rot).to(tl.float32)[None, :], dt)
@@ -283,46 +300,64 @@ def _key_block(keys, values, j0, end, pos, stride_len, d, LIMIT_TO_POS: tl.const
 
 
 @_jit
-def _attend(
-    qkv, pos, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, keys, values, start, end, read_len, head, write_new, eps, scale,
-    stride_cos, stride_sin, stride_len,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_KEYS: tl.constexpr, LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    EARLY_KEYS: tl.constexpr,
+def _attention_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr, cache_v_ptr, out_ptr,
+    part_ptr, stat_ptr, count_ptr, read_len, keys_per_split, eps, scale,
+    stride_qkv, stride_cos, stride_sin, stride_pos, stride_slot, stride_head, stride_len, stride_out,
+    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
+    LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EARLY_KEYS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """One token's GROUP queries of kv head `head` against its cached keys [start, end): q/k norm + RoPE, the new
-    key/value written at `pos` and attended from registers (when `write_new`), then an online softmax in fp32.
-    `qkv` points at the token's q/k/v row, `keys`/`values` at its slot's head. Returns (acc, m, l) [Q_ROWS, ...].
+    """One (row, kv head, key split): q/k norm + RoPE, K/V cache write, GQA attention of the head's GROUP queries.
 
-    Key j is attended iff j < read_len (and j <= pos when LIMIT_TO_POS). The GROUP queries are padded to
-    Q_ROWS >= 16 rows so that both products run as tl.dot. EARLY_KEYS loads the first cache block before q
-    and k are ready: shorter for a few rows, but those registers held across the norms cost occupancy when
-    thousands of programs share the GPU. q/k/v are read past L1 (.cg): they may come from other programs of
-    the same launch (`_qkv_attention_kernel`).
+    Key j is attended iff j < read_len (and j <= write_pos when LIMIT_TO_POS). The new key/value are used
+    from registers rather than re-read from the cache, so no program reads a column another one writes. The
+    GROUP queries are padded to Q_ROWS >= 16 rows so that both products run as tl.dot. EARLY_KEYS loads the
+    first cache block before q and k are ready: shorter for a few rows, but those registers held across the
+    norms cost occupancy when thousands of programs share the GPU. PREFETCH (with PDL) loads the position,
+    its RoPE rows and that block before waiting for the QKV product; the caller guarantees that the kernel
+    before started this one only after its own wait, so everything older than the product is complete.
     """
-    dt = keys.dtype.element_ty
+    if PDL and not PREFETCH:  # started early: let the next kernel start too, then wait for this one's inputs
+        gdc_launch_dependents()
+        gdc_wait()
+    dt = cache_k_ptr.dtype.element_ty
+    pid, split = tl.program_id(0), tl.program_id(1)
+    row = pid // KV_HEADS
+    head = pid % KV_HEADS
     d = tl.arange(0, HEAD_DIM)
     d_rot = (d + HEAD_DIM // 2) % HEAD_DIM
     g = tl.arange(0, Q_ROWS)
     g_ok = g < GROUP
+    pos = tl.load(pos_ptr + row * stride_pos)
+    slot = row.to(tl.int64) * stride_slot + head * stride_head
+    keys, values = cache_k_ptr + slot, cache_v_ptr + slot
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, read_len)
     if EARLY_KEYS:
         # The first cache block goes out with the q/k/v loads: earlier steps wrote it, not the QKV product,
         # so the two latencies overlap instead of following each other.
         kb, vb, ok = _key_block(keys, values, start, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
     cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)  # the tables' rows are positions
     sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
+    if PDL and PREFETCH:
+        gdc_launch_dependents()
+        gdc_wait()
+    qkv = qkv_ptr + row * stride_qkv
     q_heads = qkv + (head * GROUP + g)[:, None] * HEAD_DIM
     q = _norm_rope(q_heads, g_ok[:, None], d, d_rot, q_norm_ptr, cos, sin, eps, HEAD_DIM)  # [Q_ROWS, D]
     k_head = qkv + Q_SIZE + head * HEAD_DIM + tl.zeros((1, 1), tl.int32)
     k = _norm_rope(k_head, tl.full((1, 1), True, tl.int1), d, d_rot, k_norm_ptr, cos, sin, eps, HEAD_DIM)  # [1, D]
-    v = tl.load(qkv + Q_SIZE + KV_SIZE + head * HEAD_DIM + d, cache_modifier=".cg").to(tl.float32)
+    v = tl.load(qkv + Q_SIZE + KV_SIZE + head * HEAD_DIM + d).to(tl.float32)
 
-    tl.store(keys + pos * stride_len + d[None, :], k.to(dt), mask=write_new & (d[None, :] < HEAD_DIM))
-    tl.store(values + pos * stride_len + d, v.to(dt), mask=write_new & (d < HEAD_DIM))
+    first = split == 0
+    tl.store(keys + pos * stride_len + d[None, :], k.to(dt), mask=first & (d[None, :] < HEAD_DIM))
+    tl.store(values + pos * stride_len + d, v.to(dt), mask=first & (d < HEAD_DIM))
 
-    # the program that writes the new key starts its online softmax from it when that key is in range
+    # split 0 starts its online softmax from the new key when that key is in range
     s_new = _round(_round(tl.sum(q * k, axis=1), dt) * scale, dt)
-    new_ok = write_new & (pos < read_len)
+    new_ok = first & (pos < read_len)
     m_i = tl.where(new_ok, s_new, -1.0e30)  # finite, so that exp(m_old - m_new) never sees inf - inf
     l_i = tl.where(new_ok, 1.0, 0.0) + tl.zeros((Q_ROWS,), tl.float32)
     acc = tl.where(new_ok, v[None, :], 0.0) + tl.zeros((Q_ROWS, HEAD_DIM), tl.float32)
@@ -343,41 +378,7 @@ def _attend(
         # the next block (fully masked past the end: no traffic). Loading it before reducing this one would
         # hold two blocks in registers, which made a batch of 256's attention 8% slower on an H200.
         kb, vb, ok = _key_block(keys, values, j0, end, pos, stride_len, d, LIMIT_TO_POS, BLOCK_KEYS)
-    return acc, m_i, l_i
 
-
-@_jit
-def _attention_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr, cache_v_ptr, out_ptr,
-    part_ptr, stat_ptr, count_ptr, read_len, keys_per_split, eps, scale,
-    stride_qkv, stride_cos, stride_sin, stride_pos, stride_slot, stride_head, stride_len, stride_out,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr,
-    LIMIT_TO_POS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    EARLY_KEYS: tl.constexpr,
-):
-    """One (row, kv head, key split) of `_attend`; row r uses cache slot r. Split 0 writes the new key. Caches
-    are split over keys (flash decoding) so that small batches still fill the GPU and each program's loop
-    stays short; the last split to finish merges the partial softmaxes, so the merge costs no extra launch."""
-    if PDL:  # started early: let the next kernel start too, then wait for this one's inputs
-        gdc_launch_dependents()
-        gdc_wait()
-    dt = cache_k_ptr.dtype.element_ty
-    pid, split = tl.program_id(0), tl.program_id(1)
-    row = pid // KV_HEADS
-    head = pid % KV_HEADS
-    pos = tl.load(pos_ptr + row * stride_pos)
-    slot = row.to(tl.int64) * stride_slot + head * stride_head
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, read_len)
-    acc, m_i, l_i = _attend(
-        qkv_ptr + row * stride_qkv, pos, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr + slot, cache_v_ptr + slot,
-        start, end, read_len, head, split == 0, eps, scale, stride_cos, stride_sin, stride_len,
-        Q_SIZE, KV_SIZE, GROUP, Q_ROWS, HEAD_DIM, BLOCK_KEYS, LIMIT_TO_POS, DOT_F32, PRECISION, EARLY_KEYS,
-    )
-    d = tl.arange(0, HEAD_DIM)
-    g = tl.arange(0, Q_ROWS)
-    g_ok = g < GROUP
     out = out_ptr + row * stride_out + (head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
     if SPLITS == 1:
         tl.store(out, (acc / l_i[:, None]).to(dt), mask=g_ok[:, None])
@@ -403,62 +404,6 @@ def _attention_kernel(
                 m_all = m_new
             tl.store(out, (merged / l_all[:, None]).to(dt), mask=g_ok[:, None])
             tl.store(count_ptr + pid, 0)  # ready for the next launch
-
-
-@_jit
-def _qkv_attention_kernel(
-    x_ptr, g_ptr, w_ptr, qkv_ptr, part_ptr, count_ptr, rows, eps, stride_x, stride_qkv,
-    cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr, cache_v_ptr, attn_ptr, read_len, scale,
-    stride_cos, stride_sin, stride_pos_row, stride_pos_token, stride_slot, stride_head, stride_len, stride_attn,
-    N_OUT: tl.constexpr, K_DIM: tl.constexpr, ROW_TILES: tl.constexpr, SPLITS: tl.constexpr,
-    SPLIT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_KEYS: tl.constexpr, TOKENS: tl.constexpr, LIMIT_TO_POS: tl.constexpr,
-    HEAD_COUNTERS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):
-    """RMSNorm(x) · W_qkvᵀ as `_gemv_kernel`, then `_attend` without key splits, in one launch.
-
-    The output tiles of one kv head (its GROUP query heads, its key and its value) count their arrivals per
-    row tile; the last to finish attends that head for the tile's token rows, one after another (row
-    m = r * TOKENS + i is token i of row r, which uses cache slot r and reads keys below
-    read_len - (TOKENS - 1 - i)). For a few rows and short caches (the code predictor) this saves the
-    attention launch; the merge of split softmaxes is not needed.
-    """
-    done = _gemv_program(
-        x_ptr, g_ptr, w_ptr, qkv_ptr, qkv_ptr, part_ptr, count_ptr, rows, eps, stride_x, 0, stride_qkv,
-        N_OUT, K_DIM, True, False, False, False, ROW_TILES, SPLITS, SPLIT_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
-        PRECISION, PDL,
-    )
-    if done:
-        tile = tl.program_id(0)
-        row_tile = tile % ROW_TILES
-        n0 = (tile // ROW_TILES) * BLOCK_N
-        head = tl.where(n0 < Q_SIZE, n0 // (GROUP * HEAD_DIM), ((n0 - Q_SIZE) % KV_SIZE) // HEAD_DIM)
-        tiles_per_head: tl.constexpr = (GROUP + 2) * HEAD_DIM // BLOCK_N
-        counter = count_ptr + HEAD_COUNTERS + row_tile * KV_HEADS + head
-        if _arrived_last(counter, tiles_per_head):
-            dt = cache_k_ptr.dtype.element_ty
-            d = tl.arange(0, HEAD_DIM)
-            g = tl.arange(0, Q_ROWS)
-            g_ok = g < GROUP
-            m = row_tile * BLOCK_M
-            m_end = tl.minimum(m + BLOCK_M, rows)
-            while m < m_end:
-                r = m // TOKENS
-                i = m % TOKENS
-                pos = tl.load(pos_ptr + r * stride_pos_row + i * stride_pos_token)
-                slot = r.to(tl.int64) * stride_slot + head * stride_head
-                end = read_len - (TOKENS - 1 - i)
-                acc, m_i, l_i = _attend(
-                    qkv_ptr + m * stride_qkv, pos, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, cache_k_ptr + slot,
-                    cache_v_ptr + slot, 0, end, end, head, True, eps, scale, stride_cos, stride_sin, stride_len,
-                    Q_SIZE, KV_SIZE, GROUP, Q_ROWS, HEAD_DIM, BLOCK_KEYS, LIMIT_TO_POS, DOT_F32, PRECISION, True,
-                )
-                out = attn_ptr + m * stride_attn + (head * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
-                tl.store(out, (acc / l_i[:, None]).to(dt), mask=g_ok[:, None])
-                tl.debug_barrier()  # the row's next token reads the key this one wrote
-                m += 1
-            tl.store(counter, 0)  # ready for the next launch
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -590,12 +535,14 @@ def gemv(
     residual: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     tiles: GemvTiles | None = None,
+    late_trigger: bool = False,
 ) -> None:
     """out = x · wᵀ for a few rows x [rows, K] (row stride free), with optional fusions:
 
     `norm` (gains [K]): RMSNorm(x) first; `gated`: w holds [gate; up] and out = SiLU(gate)·up (needs `norm`);
     `residual` [rows, N]: out = residual + product; `bias` [N]: out = product + bias, as `F.linear` rounds it.
-    out [rows, N] must be a distinct buffer.
+    out [rows, N] must be a distinct buffer. `late_trigger`: under PDL the next kernel starts only once this
+    one's inputs are complete (see `_gemv_kernel`).
     """
     rows, k_dim = x.shape
     n_out = out.shape[1]
@@ -610,28 +557,21 @@ def gemv(
     # a bias costs what a residual does: same tiles
     flavour = "gated" if gated else "norm" if norm is not None else "residual" if residual is not None else "plain"
     tiles = tiles or gemv_tiles(flavour, n_out, k_dim, rows)
-    grid, launch, partials = _gemv_plan(n_out, k_dim, x, tiles, gated)
-    _gemv_kernel[launch](
-        x, norm if norm is not None else x, w, residual if residual is not None else out, out, partials,
+    grid = _gemv_grid(n_out, k_dim, rows, x.dtype, tiles, x.device)
+    programs = _cdiv(n_out, grid["BLOCK_N"]) * grid["ROW_TILES"]
+    splits = grid["SPLITS"]
+    partials = None
+    if splits > 1:
+        rows_pad = grid["ROW_TILES"] * grid["BLOCK_M"]
+        partials = torch.empty(splits, 2 if gated else 1, n_out, rows_pad, device=x.device, dtype=torch.float32)
+    _gemv_kernel[(programs, splits)](
+        x, norm if norm is not None else x, w, residual if residual is not None else out, out, partials if partials is not None else out,
         _counters(x.device), rows, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, BIAS=bias is not None,
         DOT_F32=_interpreting(), PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        LATE_TRIGGER=late_trigger, ROW_SUMSQ=norm is not None and grid["SPLITS"] > 1 and grid["BLOCK_M"] <= EARLY_SUMSQ_MAX_ROWS,
         **grid, **_pdl(x.device),
     )
-
-
-def _gemv_plan(
-    n_out: int, k_dim: int, x: torch.Tensor, tiles: GemvTiles, gated: bool = False
-) -> tuple[dict[str, int], tuple[int, int], torch.Tensor]:
-    """A GEMV's block constexprs, launch grid and fp32 partials buffer (x itself when K is not split)."""
-    rows = x.shape[0]
-    grid = _gemv_grid(n_out, k_dim, rows, x.dtype, tiles, x.device)
-    programs = _cdiv(n_out, grid["BLOCK_N"]) * grid["ROW_TILES"]
-    partials = x  # unused
-    if grid["SPLITS"] > 1:
-        rows_pad = grid["ROW_TILES"] * grid["BLOCK_M"]
-        partials = torch.empty(grid["SPLITS"], 2 if gated else 1, n_out, rows_pad, device=x.device, dtype=torch.float32)
-    return grid, (programs, grid["SPLITS"]), partials
 
 
 def _kv_splits(programs: int, read_len: int, device: torch.device) -> tuple[int, int]:
@@ -661,6 +601,7 @@ def _attention(
     out: torch.Tensor,
     read_len: int,
     masked: bool,
+    prefetch: bool,
 ) -> None:
     """One `_attention_kernel` launch for one token of each of b rows: qkv, out [b, n], pos [b]; cos and sin are
     the RoPE tables [positions, head_dim]."""
@@ -677,50 +618,9 @@ def _attention(
         Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
         Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, SPLITS=splits,
         LIMIT_TO_POS=masked, DOT_F32=_interpreting(), PRECISION=_precision(qkv.dtype), EARLY_KEYS=b <= EARLY_KEYS_MAX_ROWS,
+        PREFETCH=prefetch,
         num_warps=8 if qkv.dtype == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
         **_pdl(qkv.device),
-    )
-
-
-def fuses_attention(rows: int, read_len: int) -> bool:
-    """Whether `decode_layer` runs attention inside the QKV product (`_qkv_attention_kernel`)."""
-    return rows <= FUSED_ATTENTION_MAX_ROWS and read_len <= FUSED_ATTENTION_MAX_KEYS
-
-
-def _qkv_attention(
-    layer: FusedDecoderLayer,
-    x: torch.Tensor,
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    write_pos: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    out: torch.Tensor,
-    read_len: int,
-    masked: bool,
-) -> None:
-    """RMSNorm(x) · W_qkvᵀ into qkv [b·t, n] and attention into out [b·t, q_size], one launch: x [b·t, hidden]
-    holds token i of row r at r·t + i, write_pos [b, t]."""
-    rows, hidden = x.shape
-    d = layer.head_dim
-    kv_heads, group = layer.kv_size // d, layer.q_size // layer.kv_size
-    n_out = layer.w_qkv.shape[0]
-    tiles = gemv_tiles("norm", n_out, hidden, rows)
-    tiles = replace(tiles, block_n=min(tiles.block_n, d))  # whole tiles per head
-    grid, launch, partials = _gemv_plan(n_out, hidden, x, tiles)
-    if grid["ROW_TILES"] * kv_heads > _COUNTER_SLOTS // 2:
-        raise ValueError("too many rows for the head counters")
-    _qkv_attention_kernel[launch](
-        x, layer.in_norm, layer.w_qkv, qkv, partials, _counters(x.device), rows, layer.eps, x.stride(0), qkv.stride(0),
-        cos, sin, write_pos, layer.q_norm, layer.k_norm, cache_k, cache_v, out, read_len, layer.scaling,
-        cos.stride(0), sin.stride(0), write_pos.stride(0), write_pos.stride(1),
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
-        N_OUT=n_out, K_DIM=hidden, Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
-        Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_KEYS=BLOCK_KEYS, TOKENS=write_pos.shape[1],
-        LIMIT_TO_POS=masked, HEAD_COUNTERS=_COUNTER_SLOTS // 2, DOT_F32=_interpreting(), PRECISION=_precision(x.dtype),
-        num_warps=max(tiles.num_warps, 8 if x.dtype == torch.float32 else 4), num_stages=tiles.num_stages,
-        **grid, **_pdl(x.device),
     )
 
 
@@ -767,22 +667,21 @@ def decode_layer(
     x2 = x.reshape(rows, hidden)
 
     gemv_rows = rows <= GEMV_MAX_ROWS
-    attn = torch.empty(b, t, layer.q_size, device=dev, dtype=dt)
-    if gemv_rows and fuses_attention(rows, read_len):
+    # a few rows' first attention launch loads its cache block and RoPE rows while the QKV product runs
+    prefetch = gemv_rows and b <= PREFETCH_MAX_ROWS
+    if gemv_rows:
         qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
-        _qkv_attention(layer, x2, qkv, cos, sin, write_pos, cache_k, cache_v, attn.view(rows, -1), read_len, masked)
+        gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps, late_trigger=prefetch)
     else:
-        if gemv_rows:
-            qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
-            gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps)
-        else:
-            qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
-        qkv3 = qkv.view(b, t, -1)
-        for i in range(t):
-            _attention(
-                layer, _token(qkv3, i), cos, sin, write_pos[:, i], cache_k, cache_v,
-                _token(attn, i), read_len - (t - 1 - i), masked,
-            )
+        qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
+
+    attn = torch.empty(b, t, layer.q_size, device=dev, dtype=dt)
+    qkv3 = qkv.view(b, t, -1)
+    for i in range(t):
+        _attention(
+            layer, _token(qkv3, i), cos, sin, write_pos[:, i], cache_k, cache_v,
+            _token(attn, i), read_len - (t - 1 - i), masked, prefetch and i == 0,  # token i > 0 reads token i - 1's key
+        )
     attn = attn.view(rows, layer.q_size)
 
     if not gemv_rows:

@@ -59,16 +59,6 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 
 @_jit
-def _gumbel(token, seed, counter, LIBDEVICE: tl.constexpr):
-    """`gumbel_noise` for these token ids: uniform_noise, then -log(-log(u)); +inf where u rounds to 1."""
-    h = _pcg_hash(seed.to(tl.uint32) ^ _pcg_hash(token.to(tl.uint32)))
-    h = _pcg_hash(h ^ counter.to(tl.uint32))
-    h = _pcg_hash(h ^ (seed >> 32).to(tl.uint32))
-    u = (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-    return -_log(-_log(u, LIBDEVICE), LIBDEVICE)
-
-
-@_jit
 def _draw(
     s,
     temperature,
@@ -84,31 +74,8 @@ def _draw(
 ):
     """Gumbel-max over the warped top-K candidates of the scores s [VP] (-inf padded): the token id.
 
-    KEY32: every score is a bf16 value (the low 16 bits of its fp32 image are zero). A top-p cut needs the
-    candidates in rank order (a sort); without one (top_p >= 1, the default) a threshold search finds them.
+    KEY32: every score is a bf16 value (the low 16 bits of its fp32 image are zero).
     """
-    if top_p < 1.0:
-        token = _draw_sorted(s, temperature, top_k, top_p, seed, counter, VP, K, KP, KEY32, LIBDEVICE)
-    else:
-        token = _draw_top_k(s, temperature, tl.minimum(top_k, K), seed, counter, VP, KEY32, LIBDEVICE)
-    return token
-
-
-@_jit
-def _draw_sorted(
-    s,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    counter,
-    VP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    KEY32: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
-    """`_draw` through a bitonic top-K of sort keys, then the warps of `warp_candidates` in rank order."""
     # sort keys: an order-preserving image of the score above the inverted token id, so that one descending
     # sort ranks by score, then by ascending id
     bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
@@ -126,43 +93,22 @@ def _draw_sorted(
         high = (keys >> 32).to(tl.int32)
         value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
         token = VP - 1 - keys.to(tl.int32)
-    # warp_candidates: temperature, top-k, then drop a candidate whose better-ranked mass reaches top_p
+    # warp_candidates: temperature, top-k, then drop a candidate whose better-ranked mass reaches top_p < 1
     rank = tl.arange(0, KP)
     logit = tl.math.div_rn(value, temperature)
     logit = tl.where((rank < K) & (rank < top_k), logit, float("-inf"))
     e = _exp(logit - tl.max(logit, 0), LIBDEVICE)
     probs = tl.math.div_rn(e, tl.sum(e, 0))
     better = tl.cumsum(probs, 0) - probs
-    logit = tl.where((better >= top_p) & (rank > 0), float("-inf"), logit)
-    gumbel = _gumbel(token, seed, counter, LIBDEVICE)  # +inf only matters for a kept candidate
+    logit = tl.where((better >= top_p) & (rank > 0) & (top_p < 1.0), float("-inf"), logit)
+    # uniform_noise for these token ids, then -log(-log(u))
+    h = _pcg_hash(seed.to(tl.uint32) ^ _pcg_hash(token.to(tl.uint32)))
+    h = _pcg_hash(h ^ counter.to(tl.uint32))
+    h = _pcg_hash(h ^ (seed >> 32).to(tl.uint32))
+    u = (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    gumbel = -_log(-_log(u, LIBDEVICE), LIBDEVICE)  # +inf where u rounds to 1: never for a removed candidate
     choice = tl.argmax(tl.where(logit == float("-inf"), logit, logit + gumbel), 0, tie_break_left=True)
     return tl.sum(tl.where(rank == choice, token, 0), 0).to(tl.int64)
-
-
-@_jit
-def _draw_top_k(s, temperature, k, seed, counter, VP: tl.constexpr, KEY32: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """`_draw` without a top-p cut, and without sorting: the k-th best score is found one bit at a time (a
-    count per bit), ties at it go to the lowest ids, and the draw is Gumbel-max over those k candidates, equal
-    draws going to the better-ranked token as in rank order."""
-    idx = tl.arange(0, VP)
-    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the scores
-    # the same order in [0, 2^32); bf16 scores differ in the high 16 bits only, so only those are searched
-    width: tl.constexpr = 16 if KEY32 else 32
-    biased = (key.to(tl.int64) + 2147483648) >> (32 - width)
-    threshold = tl.sum(tl.zeros((VP,), tl.int64), 0)
-    for i in tl.static_range(width):
-        trial = threshold + (1 << (width - 1 - i))
-        threshold = tl.where(tl.sum((biased >= trial).to(tl.int32), 0) >= k, trial, threshold)
-    above = biased > threshold
-    tied = (biased == threshold).to(tl.int32)
-    room = k - tl.sum(above.to(tl.int32), 0)
-    candidate = above | ((tied != 0) & (tl.cumsum(tied, 0) - tied < room))
-    value = tl.math.div_rn(s, temperature) + _gumbel(idx, seed, counter, LIBDEVICE)
-    value = tl.where(candidate, value, float("-inf"))
-    best = tl.max(value, 0)
-    ranked = tl.where(value == best, (key.to(tl.int64) << 32) | (VP - 1 - idx), -9223372036854775807)
-    return (VP - 1 - (tl.max(ranked, 0) & 0xFFFFFFFF)).to(tl.int64)
 
 
 @_jit
