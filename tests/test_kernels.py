@@ -297,7 +297,7 @@ def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool, late: bool
                  "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
     constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, BIAS=False, ROW_TILES=1, SPLITS=4,
                      SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl,
-                     LATE_TRIGGER=late, ROW_SUMSQ=True)
+                     LATE_TRIGGER=late)
     lines = _ptx(kernels._gemv_kernel, signature, constants, pdl)
     wait, trigger = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
     loads = [i for i, line in enumerate(lines) if "ld.global" in line]

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import _interpreting, _jit, _pdl, _round
-from .sampling_kernel import _sample_row, sampling_shapes, sampling_warps
+from .kernels import _interpreting, _jit, _pdl, _round, late_qkv_trigger
+from .sampling_kernel import _sample_row, sampling_shapes
+
+# warps per sampling program: the talker's sort of 4096 int64 keys
+TALKER_CODE0_WARPS = 16
+PREDICTOR_CODE_WARPS = 4
 
 try:
     import triton
@@ -33,19 +37,32 @@ def _predictor_code_kernel(
     stride_logits, stride_codes, stride_first, stride_text, text_tokens, spare_pos, code, groups,
     H: tl.constexpr, HP: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     KEY32: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Row r: draw code `code` (1..15) of the frame, make its embedding the next predictor input and add it to
     the frame's fp32 embedding sum; FIRST also records codebook 0 and starts the sum from its embedding; LAST
     writes the talker's input (the rounded sum plus the text track's embedding at the slot's step, or the pad
-    embedding past the text) and write position (the slot's position, or the spare column when inactive)."""
-    if PDL:  # nothing to prefetch: let the next kernel start loading its weights, then wait for the logits
+    embedding past the text) and write position (the slot's position, or the spare column when inactive).
+    PREFETCH (with PDL): the row's scalars are loaded before the wait for the logits (see `predictor_code`)."""
+    if PDL and not PREFETCH:
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
+    do_sample = tl.load(do_sample_ptr + row) != 0
+    temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    seed = tl.load(seed_ptr + row)
     counter = (tl.load(n_sampled_ptr + row) - 1) * groups + code
+    if FIRST:
+        code0 = tl.load(code0_ptr + row)
+    if LAST:
+        step = tl.load(step_idx_ptr + row)
+        has_text = step < tl.load(text_len_ptr + row)
+        write_pos = tl.where(tl.load(active_ptr + row) != 0, tl.load(pos_ptr + row), spare_pos)
+    if PDL and PREFETCH:
+        gdc_launch_dependents()
+        gdc_wait()
     token = _sample_row(
-        logits_ptr + row * stride_logits, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row),
-        tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(seed_ptr + row), counter,
+        logits_ptr + row * stride_logits, do_sample, temperature, top_k, top_p, seed, counter,
         logits_ptr, 1.0, logits_ptr, -1, False, V, VP, K, KP, False, False, False, KEY32, LIBDEVICE,
     )
     tl.store(codes_ptr + row * stride_codes + code, token)
@@ -54,20 +71,19 @@ def _predictor_code_kernel(
     embed = tl.load(table_ptr + token * H + h, mask=h_ok, other=0.0)
     tl.store(step_input_ptr + row * H + h, embed, mask=h_ok)
     if FIRST:
-        tl.store(codes_ptr + row * stride_codes, tl.load(code0_ptr + row))
+        tl.store(codes_ptr + row * stride_codes, code0)
         total = tl.load(first_embed_ptr + row * stride_first + h, mask=h_ok, other=0.0).to(tl.float32)
     else:
         total = tl.load(sum_ptr + row * H + h, mask=h_ok, other=0.0)
     total += embed.to(tl.float32)
     if LAST:
-        step = tl.load(step_idx_ptr + row)
-        if step < tl.load(text_len_ptr + row):
+        if has_text:
             text = tl.load(text_ptr + row * stride_text + tl.minimum(step, text_tokens - 1) * H + h, mask=h_ok, other=0.0)
         else:
             text = tl.load(pad_ptr + h, mask=h_ok, other=0.0)
         dt = talker_input_ptr.dtype.element_ty
         tl.store(talker_input_ptr + row * H + h, (_round(total, dt) + text.to(tl.float32)).to(dt), mask=h_ok)
-        tl.store(write_pos_ptr + row, tl.where(tl.load(active_ptr + row) != 0, tl.load(pos_ptr + row), spare_pos))
+        tl.store(write_pos_ptr + row, write_pos)
     else:
         tl.store(sum_ptr + row * H + h, total, mask=h_ok)
 
@@ -79,25 +95,32 @@ def _talker_code0_kernel(
     table_ptr, pos_ptr, step_idx_ptr, finished_ptr,
     stride_logits, stride_hidden, stride_seen, stride_first, eos_id, groups, eps,
     H: tl.constexpr, HP: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    NORM: tl.constexpr, FRAME: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, FRAME: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Row i (slot slots[i]): draw the next codebook-0 token with the talker's processors; where act[i], record
     it (code0, seen, n_sampled) and write the slot's first predictor input: the talker's final hidden state
     (RMSNorm of `hidden` when NORM, rounded as the official module rounds) and the token's embedding. FRAME (a
-    frame step, not a prompt's end) also advances position and text step and sets `finished` on EOS."""
-    if PDL:
+    frame step, not a prompt's end) also advances position and text step and sets `finished` on EOS.
+    PREFETCH (with PDL): the row's scalars are loaded before the wait for the logits (see `predictor_code`)."""
+    if PDL and not PREFETCH:
         gdc_launch_dependents()
         gdc_wait()
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + i)
     n_sampled = tl.load(n_sampled_ptr + slot)
-    token = _sample_row(
-        logits_ptr + i * stride_logits, tl.load(do_sample_ptr + slot) != 0, tl.load(temperature_ptr + slot),
-        tl.load(top_k_ptr + slot), tl.load(top_p_ptr + slot), tl.load(seed_ptr + slot), n_sampled * groups,
-        seen_ptr + slot * stride_seen, tl.load(penalty_ptr + slot), suppress_ptr, eos_id,
-        (n_sampled < 2) | (tl.load(forbid_eos_ptr + slot) != 0), V, VP, K, KP, True, True, True, False, LIBDEVICE,
-    )
+    do_sample = tl.load(do_sample_ptr + slot) != 0
+    temperature, top_k, top_p = tl.load(temperature_ptr + slot), tl.load(top_k_ptr + slot), tl.load(top_p_ptr + slot)
+    seed, penalty = tl.load(seed_ptr + slot), tl.load(penalty_ptr + slot)
+    eos_blocked = (n_sampled < 2) | (tl.load(forbid_eos_ptr + slot) != 0)
     act = tl.load(act_ptr + i) != 0
+    if PDL and PREFETCH:
+        gdc_launch_dependents()
+        gdc_wait()
+    token = _sample_row(
+        logits_ptr + i * stride_logits, do_sample, temperature, top_k, top_p, seed, n_sampled * groups,
+        seen_ptr + slot * stride_seen, penalty, suppress_ptr, eos_id, eos_blocked, V, VP, K, KP, True, True, True, False,
+        LIBDEVICE,
+    )
     if FRAME:
         tl.store(finished_ptr + slot, act & (token == eos_id))
     if act:
@@ -135,6 +158,11 @@ def predictor_code(
     (sub_do_sample, sub_temperature, sub_top_k, sub_top_p, seed), n_sampled, code0, frame_codes, and the
     step buffers p_step_input [H], p_input [2, H], embed_sum (fp32 [H]), talker_input [H], text_embeds
     [T, H], pad_embed [H], step_idx, text_len, active, pos, write_pos.
+
+    With few rows the scalars (sampling parameters, counters, positions) are loaded before the wait for
+    the logits: they were set by the host or by kernels before this frame's last layer, and that layer's
+    QKV product let the kernels after it start only once its own inputs were complete
+    (`kernels.late_qkv_trigger`).
     """
     b, vocab = logits.shape
     groups, hidden = state["frame_codes"].shape[1], table.shape[1]
@@ -149,8 +177,8 @@ def predictor_code(
         logits.stride(0), state["frame_codes"].stride(0), p_input.stride(0), text.stride(0), text.shape[1], spare_pos,
         code, groups,
         H=hidden, HP=triton.next_power_of_2(hidden), **sampling_shapes(vocab, cap, logits.dtype == torch.bfloat16),
-        FIRST=code == 1, LAST=code == groups - 1, LIBDEVICE=not _interpreting(), num_warps=sampling_warps(vocab),
-        **_pdl(logits.device),
+        FIRST=code == 1, LAST=code == groups - 1, LIBDEVICE=not _interpreting(), num_warps=PREDICTOR_CODE_WARPS,
+        PREFETCH=late_qkv_trigger(b), **_pdl(logits.device),
     )
 
 
@@ -189,5 +217,5 @@ def talker_code0(
         logits.stride(0), hidden.stride(0), state["seen"].stride(0), state["p_input"].stride(0), eos_id,
         state["frame_codes"].shape[1], eps,
         H=h, HP=triton.next_power_of_2(h), **shapes, NORM=norm is not None, FRAME=frame, LIBDEVICE=not _interpreting(),
-        num_warps=sampling_warps(vocab), **_pdl(logits.device),
+        num_warps=TALKER_CODE0_WARPS, PREFETCH=frame and late_qkv_trigger(n), **_pdl(logits.device),
     )

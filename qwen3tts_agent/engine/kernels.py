@@ -64,9 +64,6 @@ EARLY_KEYS_MAX_ROWS = 16
 # Up to this many rows, under PDL, the QKV product lets attention start only after its own wait, and
 # attention then loads its position, RoPE rows and first cache block before waiting for q/k/v.
 PREFETCH_MAX_ROWS = 16
-# Up to this many rows (BLOCK_M) every split program of a norm GEMV sums the rows' squares after its wait,
-# instead of the last one reloading the rows after the reduction; above it that is too much duplicated work.
-EARLY_SUMSQ_MAX_ROWS = 16
 # Programmatic dependent launch (Hopper and later): each GEMV starts while the kernel before it finishes and
 # loads its first weights meanwhile; CUDA-graph capture keeps the launches' dependency type. None: on where
 # the GPU has it (compute capability 9.0 and up). On an H200 it took a 0.6B frame from 4.09 to 3.88 ms with
@@ -144,33 +141,14 @@ def _gemv_epilogue(
 
 
 @_jit
-def _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Σx² over whole rows m of x."""
-    sumsq = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K_DIM, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
-        xs = xs.to(tl.float32)
-        sumsq += tl.sum(xs * xs, axis=1)
-    return sumsq
-
-
-@_jit
-def _gemv_epilogue_inputs(
-    x_ptr, res_ptr, n, m, n_ok, m_ok, stride_x, stride_res, K_DIM: tl.constexpr, RESIDUAL: tl.constexpr,
-    ROW_SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """What the epilogue needs besides the product, loaded with the inputs so that it is at hand when the
-    reduction ends (each load after it would add a memory round trip to the kernel's latency): the residual
-    tile [BLOCK_N, BLOCK_M] (RESIDUAL) and, for split programs of a norm (ROW_SUMSQ), Σx² over whole rows."""
-    sumsq = tl.zeros((BLOCK_M,), tl.float32)
-    if ROW_SUMSQ:
-        sumsq = _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM, BLOCK_K, BLOCK_M)
+def _gemv_residual(res_ptr, n, m, n_ok, m_ok, stride_res, RESIDUAL: tl.constexpr):
+    """The residual tile [BLOCK_N, BLOCK_M] in fp32 (RESIDUAL), loaded with the inputs so that it is at hand
+    when the reduction ends: a load after it would add a memory round trip to the kernel's latency."""
     res = 0.0
     if RESIDUAL:
         res = tl.load(res_ptr + m[None, :] * stride_res + n[:, None], mask=n_ok[:, None] & m_ok[None, :], other=0.0)
         res = res.to(tl.float32)
-    return sumsq, res
+    return res
 
 
 @_jit
@@ -201,14 +179,13 @@ def _gemv_kernel(
     N_OUT: tl.constexpr, K_DIM: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
     BIAS: tl.constexpr, ROW_TILES: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr, ROW_SUMSQ: tl.constexpr,
+    PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
 ):
     """out = epilogue(x' · w[:N_OUT]ᵀ) with x' = x∘g when NORM (the 1/rms factor is applied at the end).
 
     Program (tile, split) takes BLOCK_N outputs of BLOCK_M rows over SPLIT_BLOCKS K blocks. With SPLITS > 1
     the partial sums go to `part_ptr` and the tile's last split to arrive adds them in a fixed order
-    (deterministic, no atomics on data) and runs the epilogue, with Σx² over whole rows for a norm: summed
-    after the wait by every split program with ROW_SUMSQ (few rows), else by the last one.
+    (deterministic, no atomics on data) and runs the epilogue; it then recomputes Σx² over the whole row.
     Row tiles vary fastest over program ids, so the programs that share a weight tile run together.
 
     PDL (programmatic dependent launch): the kernel may start while the previous one still runs; it loads
@@ -232,9 +209,8 @@ def _gemv_kernel(
         gdc_wait()
         if LATE_TRIGGER:
             gdc_launch_dependents()
-    sumsq, res = _gemv_epilogue_inputs(
-        x_ptr, res_ptr, n, m, n_ok, m_ok, stride_x, stride_res, K_DIM, RESIDUAL, ROW_SUMSQ, BLOCK_K, BLOCK_M
-    )
+    sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    res = _gemv_residual(res_ptr, n, m, n_ok, m_ok, stride_res, RESIDUAL)
     if PDL:
         xt, sumsq = _gemv_inputs(x_ptr, g_ptr, k, m, m_ok, stride_x, sumsq, K_DIM, NORM, SPLITS)
         acc = _dot(w, xt, acc, DOT_F32, PRECISION)
@@ -267,8 +243,12 @@ def _gemv_kernel(
                     acc_up += tl.load(
                         part + s * stride_split + N_OUT * rows_pad, mask=n_ok[:, None], other=0.0, cache_modifier=".cg"
                     )
-            if NORM and not ROW_SUMSQ:
-                sumsq = _row_sumsq(x_ptr, m, m_ok, stride_x, K_DIM, BLOCK_K, BLOCK_M)
+            if NORM:
+                for k0 in range(0, K_DIM, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < K_DIM)[None, :], other=0.0)
+                    xs = xs.to(tl.float32)
+                    sumsq += tl.sum(xs * xs, axis=1)
             _gemv_epilogue(
                 acc, acc_up, sumsq, res, out_ptr, n, m, n_ok, m_ok, eps, stride_out, K_DIM, NORM, GATED, RESIDUAL, BIAS,
             )
@@ -569,8 +549,7 @@ def gemv(
         _counters(x.device), rows, eps, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         N_OUT=n_out, K_DIM=k_dim, NORM=norm is not None, GATED=gated, RESIDUAL=residual is not None, BIAS=bias is not None,
         DOT_F32=_interpreting(), PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        LATE_TRIGGER=late_trigger, ROW_SUMSQ=norm is not None and grid["SPLITS"] > 1 and grid["BLOCK_M"] <= EARLY_SUMSQ_MAX_ROWS,
-        **grid, **_pdl(x.device),
+        LATE_TRIGGER=late_trigger, **grid, **_pdl(x.device),
     )
 
 
@@ -624,6 +603,12 @@ def _attention(
     )
 
 
+def late_qkv_trigger(batch: int) -> bool:
+    """Whether `decode_layer`'s QKV product (under PDL) lets the next kernel start only after its own wait, so
+    that the kernels after it may load, before their own wait, whatever was written before that product."""
+    return batch <= PREFETCH_MAX_ROWS
+
+
 def decode_layer(
     layer: FusedDecoderLayer,
     x: torch.Tensor,
@@ -668,7 +653,7 @@ def decode_layer(
 
     gemv_rows = rows <= GEMV_MAX_ROWS
     # a few rows' first attention launch loads its cache block and RoPE rows while the QKV product runs
-    prefetch = gemv_rows and b <= PREFETCH_MAX_ROWS
+    prefetch = gemv_rows and late_qkv_trigger(b)
     if gemv_rows:
         qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
         gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps, late_trigger=prefetch)

@@ -100,7 +100,8 @@ def _draw(
     e = _exp(logit - tl.max(logit, 0), LIBDEVICE)
     probs = tl.math.div_rn(e, tl.sum(e, 0))
     better = tl.cumsum(probs, 0) - probs
-    logit = tl.where((better >= top_p) & (rank > 0) & (top_p < 1.0), float("-inf"), logit)
+    cut = tl.where(top_p < 1.0, top_p, float("inf"))  # as in transformers, top_p >= 1 cuts nothing
+    logit = tl.where((better >= cut) & (rank > 0), float("-inf"), logit)
     # uniform_noise for these token ids, then -log(-log(u))
     h = _pcg_hash(seed.to(tl.uint32) ^ _pcg_hash(token.to(tl.uint32)))
     h = _pcg_hash(h ^ counter.to(tl.uint32))
