@@ -3,7 +3,8 @@
 Modes: "top-k" (the official defaults: top-k 50, top-p 1.0), "top-p" (the same with top-p 0.9), "greedy".
 A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
 codes, with the repetition penalty, so fp32 scores). One graph holds 15 launches one after another; the
-median replay over 15 is one sampling's latency. `sampling_warps` picks the warps the engine uses.
+median replay over 15 is one sampling's latency. This times `fused_sample` alone; inside a frame the
+warp count matters more (`frame_kernels.TALKER_CODE0_WARPS`, measured with benchmarks/frame_timeline.py).
 
     python benchmarks/bench_sampling.py --out sampling.json
 """

@@ -17,9 +17,12 @@ import torch
 from .kernels import _interpreting, _jit, _pdl, _round, late_qkv_trigger
 from .sampling_kernel import _sample_row, sampling_shapes
 
-# warps per sampling program: the talker's sort of 4096 int64 keys
+# Warps per sampling program. In a graphed 0.6B frame on an H200 (benchmarks/frame_timeline.py) the talker's
+# sort of 4096 int64 keys took 45 µs on 8 warps and 26 µs on 16 (32: 10 µs slower again), and 8 warps for the
+# predictor's 2048 keys made the frame 60 µs shorter than 4 (16: the same as 8); alone, outside a frame, the
+# warp count made little difference (benchmarks/bench_sampling.py).
 TALKER_CODE0_WARPS = 16
-PREDICTOR_CODE_WARPS = 4
+PREDICTOR_CODE_WARPS = 8
 
 try:
     import triton

@@ -4,7 +4,9 @@ One frame (80 ms of audio) is: the 15-step code predictor on the talker's last h
 token, the sum of the 16 codebook embeddings plus the next text-track embedding, one talker step, and the
 sampling of the next codebook-0 token. `frame_step` does all of it for rows 0..b-1 of the slot tables with
 fixed shapes and no host synchronisation, so the CUDA path can capture it as one graph per (batch, KV-length)
-bucket while the CPU path simply calls it.
+bucket while the CPU path simply calls it. Where Triton runs (a GPU), the layers run as `kernels.py` and each
+sampling with the frame's per-row state as one `frame_kernels.py` launch, so a graphed frame is Triton
+kernels only; elsewhere the same state moves through PyTorch ops.
 
 Every request owns one slot: its rows of the KV cache and of the per-slot state tensors below. Rows that are
 not active in a step still flow through the maths but write their KV to a scratch column and keep their state.

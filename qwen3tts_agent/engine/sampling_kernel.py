@@ -1,4 +1,7 @@
-"""One Triton launch per sampling call: the logits processing, warping and draw of `sampling.sample`.
+"""The logits processing, warping and draw of `sampling.sample` for one row, as Triton code (`_sample_row`).
+
+A frame's kernels (`frame_kernels.py`) sample with it inside their per-row bookkeeping; `fused_sample` runs
+it alone, one launch for a batch of rows, which is how the tests hold it against the PyTorch reference.
 
 The PyTorch path materialises hashed noise for the whole vocabulary (`gumbel_noise`) and then runs argmax,
 topk, softmax and cumsum as separate kernels; with 16 samplings per frame that is a large share of a small
@@ -200,7 +203,7 @@ def sampling_shapes(vocab: int, cap: int, bf16_logits: bool) -> dict[str, int | 
 
 
 def sampling_warps(vocab: int) -> int:
-    """About 16 sort keys per thread."""
+    """`fused_sample`'s warps: about 16 sort keys per thread (the frame kernels set their own)."""
     return max(1, min(8, triton.next_power_of_2(vocab) // 512))
 
 
