@@ -609,10 +609,10 @@ def _attention(
     )
 
 
-def late_qkv_trigger(batch: int) -> bool:
+def late_qkv_trigger(batch: int, tokens: int = 1) -> bool:
     """Whether `decode_layer`'s QKV product (under PDL) lets the next kernel start only after its own wait, so
     that the kernels after it may load, before their own wait, whatever was written before that product."""
-    return batch <= PREFETCH_MAX_ROWS
+    return batch <= PREFETCH_MAX_ROWS and batch * tokens <= GEMV_MAX_ROWS
 
 
 def decode_layer(
@@ -631,8 +631,8 @@ def decode_layer(
     read_len, mask)`.
 
     x [b, t, hidden], cos/sin the RoPE tables [positions, head_dim] (row p for position p), write_pos [b, t]
-    int64 on the device: row r uses cache slot r and writes token i's key at write_pos[r, i]. Token i attends the keys below read_len - (t - 1 - i), i.e.
-    not those of the tokens after it, and with `masked=True` only keys <= write_pos[r, i] (mask =
+    int64 on the device: row r uses cache slot r and writes token i's key at write_pos[r, i]. Token i attends
+    the keys below read_len - (t - 1 - i), i.e. not those of the tokens after it, and with `masked=True` only keys <= write_pos[r, i] (mask =
     arange(read_len) <= write_pos: the talker step). `masked=False` stands for mask=None; for t > 1 the layer
     then aligns its causal mask top-left (SDPA is_causal), which agrees only when read_len == t (the
     predictor's first step: positions 0 and 1). A row's positions must increase along t and stay below the
@@ -659,7 +659,7 @@ def decode_layer(
 
     gemv_rows = rows <= GEMV_MAX_ROWS
     # a few rows' first attention launch loads its cache block and RoPE rows while the QKV product runs
-    prefetch = gemv_rows and late_qkv_trigger(b)
+    prefetch = late_qkv_trigger(b, t)
     if gemv_rows:
         qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
         gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps, late_trigger=prefetch)
