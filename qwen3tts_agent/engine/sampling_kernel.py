@@ -63,17 +63,8 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 @_jit
 def _draw(
-    s,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    counter,
-    VP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    KEY32: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    s, temperature, top_k, top_p, seed, counter,
+    VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, KEY32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Gumbel-max over the warped top-K candidates of the scores s [VP] (-inf padded): the token id.
 
@@ -117,27 +108,9 @@ def _draw(
 
 @_jit
 def _sample_row(
-    scores_ptr,
-    do_sample,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    counter,
-    seen_ptr,
-    penalty,
-    suppress_ptr,
-    eos_id,
-    eos_blocked,
-    V: tl.constexpr,
-    VP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    PENALTY: tl.constexpr,
-    SUPPRESS: tl.constexpr,
-    EOS: tl.constexpr,
-    KEY32: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    scores_ptr, do_sample, temperature, top_k, top_p, seed, counter, seen_ptr, penalty, suppress_ptr, eos_id,
+    eos_blocked, V: tl.constexpr, VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PENALTY: tl.constexpr,
+    SUPPRESS: tl.constexpr, EOS: tl.constexpr, KEY32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """The sampled (or argmax) token of one row of scores after the optional talker processors: the
     repetition penalty (`seen_ptr`: the row's flags), `suppress_ptr`, and token `eos_id` when `eos_blocked`."""
@@ -160,30 +133,10 @@ def _sample_row(
 
 @_jit
 def _sample_kernel(
-    scores_ptr,
-    stride_scores,
-    do_sample_ptr,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    seed_ptr,
-    counter_ptr,
-    out_ptr,
-    seen_ptr,
-    penalty_ptr,
-    suppress_ptr,
-    eos_blocked_ptr,
-    stride_seen,
-    eos_id,
-    V: tl.constexpr,
-    VP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-    PENALTY: tl.constexpr,
-    SUPPRESS: tl.constexpr,
-    EOS: tl.constexpr,
-    KEY32: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    scores_ptr, stride_scores, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, counter_ptr, out_ptr,
+    seen_ptr, penalty_ptr, suppress_ptr, eos_blocked_ptr, stride_seen, eos_id, V: tl.constexpr, VP: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, PENALTY: tl.constexpr, SUPPRESS: tl.constexpr, EOS: tl.constexpr,
+    KEY32: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """out[row] = the sampled (or argmax) token of scores[row] after the optional talker processors."""
     row = tl.program_id(0).to(tl.int64)
