@@ -18,9 +18,9 @@ from .kernels import _interpreting, _jit, _pdl, _round, late_qkv_trigger
 from .sampling_kernel import _sample_row, sampling_shapes
 
 # Warps per sampling program. In a graphed 0.6B frame on an H200 (benchmarks/frame_timeline.py) the talker's
-# sort of 4096 int64 keys took 45 µs on 8 warps and 26 µs on 16 (32: 10 µs slower again), and 8 warps for the
-# predictor's 2048 keys made the frame 60 µs shorter than 4 (16: the same as 8); alone, outside a frame, the
-# warp count made little difference (benchmarks/bench_sampling.py).
+# sort of 4096 int64 keys took 45 µs on 8 warps and 26 µs on 16 (32 warps: a frame 10 µs shorter, within the
+# spread between machines), and 8 warps for the predictor's 2048 keys made the frame 60 µs shorter than 4
+# (16: the same as 8); alone, outside a frame, the warp count made little difference (bench_sampling.py).
 TALKER_CODE0_WARPS = 16
 PREDICTOR_CODE_WARPS = 8
 
@@ -181,7 +181,7 @@ def predictor_code(
         code, groups,
         H=hidden, HP=triton.next_power_of_2(hidden), **sampling_shapes(vocab, cap, logits.dtype == torch.bfloat16),
         FIRST=code == 1, LAST=code == groups - 1, LIBDEVICE=not _interpreting(), num_warps=PREDICTOR_CODE_WARPS,
-        PREFETCH=late_qkv_trigger(b), **_pdl(logits.device),
+        PREFETCH=late_qkv_trigger(b, 2 if code == 1 else 1), **_pdl(logits.device),  # after the 2-token step
     )
 
 
