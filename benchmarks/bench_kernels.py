@@ -92,7 +92,7 @@ class Step:
 
     x: torch.Tensor
     rows: torch.Tensor  # arange(b)[:, None]: row r uses cache slot r
-    cos: torch.Tensor
+    cos: torch.Tensor  # RoPE tables [max_len + 1, head_dim], row p for position p
     sin: torch.Tensor
     write_pos: torch.Tensor
     mask: torch.Tensor | None
