@@ -30,6 +30,7 @@ from benchmarks.bench_kernels import time_stack  # noqa: E402
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
 from qwen3tts_agent.engine import kernels  # noqa: E402
+from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE  # noqa: E402
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "
@@ -318,7 +319,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     report: dict[str, object] = {
         "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "frames_per_stream": args.frames, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
+        "frames_per_stream": args.frames, "chunk_schedule": args.chunk_schedule, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
         "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernels.programmatic_launch(torch.device(args.device)),
     }
     reference = demo_reference()
@@ -328,14 +329,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
-                        fused_kernels=args.fused_kernels)
+                        fused_kernels=args.fused_kernels, chunk_schedule=args.chunk_schedule)
         engine.warmup(progress=False)
         voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
-        singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(args.runs + 1)][1:]
+        await run_stream(engine, voice, args.frames, seed=0)  # warm-up run
+        before = engine.stats()
+        singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(1, args.runs + 1)]
         steady_ms = [1000 * (t.end - t.first) / (args.frames - 1) for t in singles]
         report["single_stream"] = {
             **summarize(singles, sum(t.end - t.submitted for t in singles)),
             "loop_ms_per_frame_p50": pct(steady_ms, 50),
+            "engine_loop": loop_profile(before, engine.stats()),
             "peak_gpu_gib_one_stream": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         }
         log(f"single stream: {report['single_stream']}")
@@ -357,7 +361,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         return report
     # --- many streams on one engine
     engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,
-                    fused_kernels=args.fused_kernels)
+                    fused_kernels=args.fused_kernels, chunk_schedule=args.chunk_schedule)
     started = time.perf_counter()
     engine.warmup(progress=True)
     report["warmup_s"] = time.perf_counter() - started
@@ -425,6 +429,8 @@ def main() -> None:
                         help="hold this many streams at once (a new one as each ends) and time first audio")
     parser.add_argument("--cancel-trials", type=int, default=10)
     parser.add_argument("--cancel-background", type=lambda s: [int(x) for x in s.split(",")], default=[0, 32])
+    parser.add_argument("--chunk-schedule", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_CHUNK_SCHEDULE),
+                        help="frames per audio chunk, in order; the last repeats")
     parser.add_argument("--single-only", action="store_true")
     parser.add_argument("--load-only", action="store_true", help="skip the single-stream part")
     parser.add_argument("--switch-interval-ms", type=float,

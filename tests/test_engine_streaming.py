@@ -276,3 +276,23 @@ def test_slot_set_up_copies_no_host_scalar(engine: Engine) -> None:
     assert abs(float(runner.temperature[slot]) - 0.7) < 1e-6 and runner.pos[slot] == 0
     expected = runner.text_track_embeddings(torch.tensor([11, 12, 13]))
     assert torch.equal(runner.text_embeds[slot, :3], expected)  # projected on arrival, looked up by frames
+
+
+def test_a_failed_decode_fails_the_streams_in_flight_and_the_engine_goes_on(engine: Engine, voice: Voice) -> None:
+    """An error inside a step (here the codec's) ends the streams in flight with it; later streams are served."""
+    codec = engine._codec
+    original = codec.decode
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("the codec broke")
+
+    codec.decode = broken
+    try:
+        stream = engine.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=4, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="the codec broke"):
+            list(stream.chunks(timeout=60))
+    finally:
+        codec.decode = original
+    assert stream.result.finish_reason == "error"
+    pcm, result = engine.synthesize_blocking("Next turn.", voice=voice, sampling=SamplingParams(max_frames=3, ignore_eos=True))
+    assert result.frames == 3 and len(pcm) == 3 * 1920

@@ -207,7 +207,8 @@ def _run_gemv(rows: int, n_out: int, k_dim: int, flavour: str, dtype_name: str, 
 
 
 def _run_engine() -> dict[str, Any]:
-    """Two streams (one greedy, one sampled) on a tiny engine with the kernels, and again with PyTorch layers."""
+    """Two streams (one greedy, one sampled) on a tiny engine with the kernels, and again with PyTorch layers;
+    then the greedy one again with an EOS row that fires (synthetic checkpoints never end on their own)."""
     import torch
 
     from qwen3tts_agent import Engine, SamplingParams, Voice
@@ -215,6 +216,9 @@ def _run_engine() -> dict[str, Any]:
 
     official = load_official_model("synthetic:tiny-customvoice", device="cpu", dtype=torch.float32, progress=False)
     speaker = sorted(official.get_supported_speakers())[0]
+    head = official.model.talker.codec_head.weight
+    eos = official.model.config.talker_config.codec_eos_token_id
+    saved = head.data[eos].clone()
     runs = {}
     for fused in (True, False):
         engine = Engine(official, max_streams=2, keep_codes=True, fused_kernels=fused)  # type: ignore[arg-type]
@@ -225,8 +229,15 @@ def _run_engine() -> dict[str, Any]:
             ]
             for stream in streams:
                 list(stream.chunks(timeout=600))
-            runs["kernels" if fused else "torch"] = {"used": engine._runner.fused_kernels, "codes": [s.result.codes for s in streams]}
+            head.data[eos] = 2 * head.data[streams[0].result.codes[2][0]]  # EOS outscores the code of frame 2
+            ending = engine.open_stream("Hello there.", voice=Voice(speaker=speaker), sampling=SamplingParams.greedy(max_frames=6))
+            list(ending.chunks(timeout=600))
+            runs["kernels" if fused else "torch"] = {
+                "used": engine._runner.fused_kernels, "codes": [s.result.codes for s in streams],
+                "ending": [ending.result.finish_reason, ending.result.codes],
+            }
         finally:
+            head.data[eos] = saved
             engine.close()
     return runs
 
@@ -269,6 +280,9 @@ def test_engine_with_kernels_matches_torch_layers(results: dict[str, dict[str, A
     assert engine["kernels"]["used"] and not engine["torch"]["used"]
     assert all(len(codes) == 4 for codes in engine["kernels"]["codes"])
     assert engine["kernels"]["codes"] == engine["torch"]["codes"]
+    reason, codes = engine["kernels"]["ending"]
+    assert reason == "eos" and 2 <= len(codes) < 6, "the kernels' EOS flag ends the stream"
+    assert engine["kernels"]["ending"] == engine["torch"]["ending"]
 
 
 def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool) -> list[str]:

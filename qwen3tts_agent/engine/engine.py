@@ -123,8 +123,7 @@ class _HostBuffers:
     """Host copies of one step's outputs (pinned on CUDA so the copies run asynchronously)."""
 
     active: torch.Tensor
-    codes: torch.Tensor
-    finished: torch.Tensor
+    out: torch.Tensor  # the runner's frame_out: 16 codes, then the EOS flag
 
 
 @dataclass
@@ -232,12 +231,12 @@ class Engine:
         self._host_buffers = [
             _HostBuffers(
                 active=torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin),
-                codes=torch.zeros(max_streams, self._runner.num_groups, dtype=torch.int64, pin_memory=pin),
-                finished=torch.zeros(max_streams, dtype=torch.bool, pin_memory=pin),
+                out=torch.zeros(max_streams, self._runner.num_groups + 1, dtype=torch.int64, pin_memory=pin),
             )
             for _ in range(2)
         ]
         self._step_parity = 0
+        self._active_slots: list[int] | None = None  # the slots `runner.active` holds, so unchanged ones aren't re-sent
         # on a GPU the host reads a step's results while the next step runs; on the CPU there is nothing to overlap
         self._pipelined = pin
         self._graphs: GraphedFrameStep | None = None
@@ -712,10 +711,13 @@ class Engine:
         kv_len = max(r.position for r in rows) + 1
         host = self._host_buffers[self._step_parity]
         self._step_parity ^= 1
-        active = host.active.numpy()  # the pinned buffer itself: one numpy write, not a tensor op per row
-        active[:] = False
-        active[[r.slot for r in rows]] = True
-        runner.active.copy_(host.active, non_blocking=True)
+        slots = sorted(r.slot for r in rows)  # type: ignore[type-var]
+        if slots != self._active_slots:
+            active = host.active.numpy()  # the pinned buffer itself: one numpy write, not a tensor op per row
+            active[:] = False
+            active[slots] = True
+            runner.active.copy_(host.active, non_blocking=True)
+            self._active_slots = slots
         if self._graphs is not None and self._graphs.captured:
             b, kv_len = self._graphs.bucket(b, kv_len)
             self._graphs(b, kv_len)
@@ -727,8 +729,7 @@ class Engine:
                 talker_sampling=any(r.sampling.do_sample for r in in_batch),
                 predictor_sampling=any(r.sampling.subtalker_do_sample for r in in_batch),
             )
-        host.codes[:b].copy_(runner.frame_codes[:b], non_blocking=True)
-        host.finished[:b].copy_(runner.finished[:b], non_blocking=True)
+        host.out[:b].copy_(runner.frame_out[:b], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -743,8 +744,8 @@ class Engine:
         """Read a finished step's codes and EOS flags, and start decoding the chunks that are due."""
         if launched.event is not None:
             self._wait(launched.event, "gpu_wait")
-        codes = launched.host.codes.numpy()
-        finished = launched.host.finished.numpy()
+        out = launched.host.out.numpy()
+        codes, finished = out[:, :-1], out[:, -1]
         now = time.perf_counter()
         due: dict[int, list[_Request]] = {}
         for r in launched.rows:
@@ -833,6 +834,8 @@ class Engine:
             ready = time.perf_counter()
             pcm = decoding.pcm.numpy()
             for (r, start, end, is_last), audio in zip(decoding.chunks, pcm, strict=True):
+                if r.stream.done:  # ended meanwhile (cancel, error): nothing more for it
+                    continue
                 chunk = AudioChunk(
                     pcm=audio.copy(), frame_start=start, frame_end=end, is_last=is_last,
                     timings=ChunkTimings(r.stream.submitted, r.prefill_done, r.first_frame, ready),

@@ -96,7 +96,7 @@ def _talker_code0_kernel(
     logits_ptr, slots_ptr, act_ptr, hidden_ptr, norm_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
     seed_ptr, n_sampled_ptr, forbid_eos_ptr, penalty_ptr, seen_ptr, suppress_ptr, code0_ptr, first_input_ptr,
     table_ptr, pos_ptr, step_idx_ptr, finished_ptr,
-    stride_logits, stride_hidden, stride_seen, stride_first, eos_id, groups, eps,
+    stride_logits, stride_hidden, stride_seen, stride_first, stride_finished, eos_id, groups, eps,
     H: tl.constexpr, HP: tl.constexpr, V: tl.constexpr, VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     NORM: tl.constexpr, FRAME: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
@@ -125,7 +125,7 @@ def _talker_code0_kernel(
         LIBDEVICE,
     )
     if FRAME:
-        tl.store(finished_ptr + slot, act & (token == eos_id))
+        tl.store(finished_ptr + slot * stride_finished, (act & (token == eos_id)).to(tl.int64))
     if act:
         tl.store(code0_ptr + slot, token)
         tl.store(seen_ptr + slot * stride_seen + token, 1)
@@ -202,8 +202,8 @@ def talker_code0(
 
     hidden [n, H]: the talker's last hidden state, before its final norm when `norm` (gains [H]) is given.
     `state` as in `predictor_code`, plus do_sample, temperature, top_k, top_p, forbid_eos,
-    repetition_penalty, seen, suppress, codec_embedding (the [V, H] table), finished. `frame`: a frame step
-    (advances pos and step_idx, sets finished) rather than the end of a prompt.
+    repetition_penalty, seen, suppress, codec_embedding (the [V, H] table), finished (int64 [slots], strided).
+    `frame`: a frame step (advances pos and step_idx, sets finished) rather than the end of a prompt.
     """
     n, vocab = logits.shape
     table = state["codec_embedding"]
@@ -217,7 +217,7 @@ def talker_code0(
         state["top_k"], state["top_p"], state["seed"], state["n_sampled"], state["forbid_eos"], state["repetition_penalty"],
         state["seen"], state["suppress"], state["code0"], state["p_input"], table, state["pos"], state["step_idx"],
         state["finished"],
-        logits.stride(0), hidden.stride(0), state["seen"].stride(0), state["p_input"].stride(0), eos_id,
+        logits.stride(0), hidden.stride(0), state["seen"].stride(0), state["p_input"].stride(0), state["finished"].stride(0), eos_id,
         state["frame_codes"].shape[1], eps,
         H=h, HP=triton.next_power_of_2(h), **shapes, NORM=norm is not None, FRAME=frame, LIBDEVICE=not _interpreting(),
         num_warps=TALKER_CODE0_WARPS, PREFETCH=frame and late_qkv_trigger(n), **_pdl(logits.device),

@@ -138,8 +138,9 @@ class ModelRunner:
         self.seed = ints["seed"]
         # step inputs and outputs
         self.active = torch.zeros(max_slots, device=dev, dtype=torch.bool)
-        self.frame_codes = torch.zeros(max_slots, self.num_groups, **long)
-        self.finished = torch.zeros(max_slots, device=dev, dtype=torch.bool)
+        # a frame's outputs side by side (the 16 codes, then 1 where EOS was sampled): one copy to the host
+        self.frame_out = torch.zeros(max_slots, self.num_groups + 1, **long)
+        self.frame_codes, self.finished = self.frame_out[:, : self.num_groups], self.frame_out[:, self.num_groups]
         # within a frame: the last code's embedding (the next predictor input), the running sum of the codes'
         # embeddings, then the talker's input and cache write position
         self.p_step_input = torch.zeros(max_slots, cfg.hidden_size, device=dev, dtype=dt)
@@ -299,7 +300,7 @@ class ModelRunner:
         if frame:
             self.pos[slots] += act.long()
             self.step_idx[slots] += act.long()
-            self.finished[slots] = act & (code0 == self.eos_id)
+            self.finished[slots] = (act & (code0 == self.eos_id)).long()
 
     def _record_code(self, logits: torch.Tensor, code: int, b: int, sampling: bool) -> None:
         """Sample code `code` (1..15) of the frame for slots [0, b); its embedding is the next predictor input
@@ -397,7 +398,8 @@ class ModelRunner:
     def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:
         """One frame for slots [0, b): predictor codes for the pending codebook-0 token, then the next one.
 
-        Reads `active`; writes `frame_codes` (the 16 codes of this frame) and `finished` (EOS was sampled).
+        Reads `active`; writes `frame_out`: `frame_codes` (the 16 codes of this frame) and `finished` (1 where
+        EOS was sampled).
         `kv_len` must exceed every active slot's position. The sampling flags may be False only when no row
         in [0, b) samples (a host-side shortcut for greedy decoding on the CPU).
         """
