@@ -2,7 +2,8 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, sweep, kernels, timeline (where a 0.6B frame's time goes), parity, parity-1.7b (fp32),
+# Stages: smoke, sweep, kernels, timeline (where a 0.6B frame's time goes), loop (where a live stream's frame
+# period goes), parity, parity-1.7b (fp32),
 # engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
@@ -36,6 +37,7 @@ for stage in "$@"; do
     kernels) official benchmarks/bench_kernels.py --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
     timeline) official benchmarks/frame_timeline.py --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
+    loop) official benchmarks/loop_timeline.py --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
     parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     parity-1.7b) official benchmarks/gpu_parity.py --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
