@@ -341,7 +341,8 @@ class Engine:
         ref_ids = tuple(self.tokenizer.ref_ids(clone.ref_text)) if clone is not None and clone.ref_codes is not None else ()
         return PromptSpec(language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout))
 
-    def _check_sampling(self, sampling: SamplingParams) -> None:
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        """Raise InvalidRequestError unless this engine can decode with `sampling` (top_k within its cap, ...)."""
         cap = self._runner.top_k_cap
         if sampling.max_frames < 1:
             raise InvalidRequestError("max_frames must be at least 1")
@@ -371,7 +372,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is closed")
         sampling = sampling or SamplingParams()
-        self._check_sampling(sampling)
+        self.validate_sampling(sampling)
         schedule = tuple(chunk_schedule or self.chunk_schedule)
         if not schedule or any(not isinstance(n, int) or n < 1 for n in schedule):
             raise InvalidRequestError(f"chunk schedule must be positive frame counts, got {schedule}")

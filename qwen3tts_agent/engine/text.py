@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import InvalidTextError
+
 logger = logging.getLogger(__name__)
 
 # `<|im_start|>assistant\n` and `<|im_end|>\n<|im_start|>assistant\n` around the target text; the official
@@ -11,6 +13,23 @@ logger = logging.getLogger(__name__)
 _ROLE_TOKENS = 3
 _TARGET_TAIL_TOKENS = 5
 _REF_TAIL_TOKENS = 2
+
+
+def validate_text(text: object, *, what: str = "text") -> str:
+    """The text rules every entry point applies (Python API, WebSocket, HTTP): a `str` that is valid Unicode.
+
+    A lone surrogate (e.g. from a JSON escape like `\\ud800`) is a `str` Python accepts but no tokenizer
+    can encode; it is refused here, with the offending position, instead of failing deep inside the engine.
+    """
+    if not isinstance(text, str):
+        raise InvalidTextError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidTextError(
+            f"{what} is not valid Unicode: a lone surrogate at character {exc.start}"
+        ) from None
+    return text
 
 
 class TextTokenizer:
