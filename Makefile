@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	# qwen-tts's own requirements pull torchaudio and gradio (see README: "Why qwen-tts --no-deps")
+	# qwen-tts's own requirements pull torchaudio and gradio (see docs/install.md: "Why qwen-tts --no-deps")
 	$(PY) -m pip install -q --no-deps qwen-tts==0.1.1
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@

@@ -1,7 +1,7 @@
 """LiveKit Agents TTS plugin: a thin client of `qwen3tts-agent serve`, so every agent job shares one engine.
 
 LiveKit runs each job in its own process; loading the model per job would multiply GPU memory. The server
-holds the weights once and this plugin streams to it over the WebSocket protocol (see the README).
+holds the weights once and this plugin streams to it over the WebSocket protocol (docs/server.md).
 """
 
 from __future__ import annotations

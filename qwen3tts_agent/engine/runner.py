@@ -242,7 +242,8 @@ class ModelRunner:
 
     def _to_predictor_width(self, x: torch.Tensor) -> torch.Tensor:
         """The talker-to-predictor projection (1.7B: a biased Linear, 2048 -> 1024; 0.6B: identity), as one
-        GEMV kernel when fused: a cuBLAS call in the middle of the predictor's Triton kernels costs ~12 µs."""
+        GEMV kernel when fused: a cuBLAS call in the middle of the predictor's Triton kernels costs more than
+        one more GEMV (measured in docs/performance.md)."""
         proj = self.p_in_proj
         rows = x.reshape(-1, x.shape[-1])
         if not isinstance(proj, torch.nn.Linear) or not self.fused_kernels or rows.shape[0] > kernels.GEMV_MAX_ROWS:
