@@ -11,6 +11,8 @@ LiveKit runs every job in its own process, so the model is served once and each 
     QWEN3TTS_URL=ws://tts-host:8000 QWEN3TTS_API_KEY=... python examples/livekit_agent.py dev
 
 STT and LLM below are LiveKit Inference model strings; any LiveKit STT/LLM plugin works in their place.
+The session prewarms the TTS when it starts (one server session opens in the background), and the plugin
+reuses its server sessions from turn to turn (docs/livekit.md).
 """
 
 from __future__ import annotations
