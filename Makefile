@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= pipecat,server,livekit,dev
 
-.PHONY: setup demo test lint clean
+# Programs the test suite drives, and the Debian packages that bring them (docs/install.md).
+SYSTEM_PACKAGES ?= espeak-ng sox
+
+.PHONY: setup system-packages demo test lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +22,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
+# Installs the missing system packages when it can (root and apt-get); otherwise says what to install,
+# and the WebRTC test, which needs espeak-ng, is skipped with the same hint.
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing system packages:$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		(apt-get update -qq && apt-get install -y -qq$$missing >/dev/null) \
+			|| echo "could not install$$missing: tests that need them are skipped"; \
+	else \
+		echo "missing system packages:$$missing (sudo apt-get install$$missing): tests that need them are skipped"; \
+	fi
+
 demo: setup
 	$(VENV)/bin/qwen3tts-agent say "Hello there, how can I help?" --model synthetic:tiny --out hello.wav
 
-test: setup
+test: setup system-packages
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q
 
 lint: setup

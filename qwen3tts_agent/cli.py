@@ -55,9 +55,9 @@ def _add_say(sub: argparse._SubParsersAction) -> None:
 
 def _say(args: argparse.Namespace) -> int:
     import soundfile as sf
-    from tqdm import tqdm
 
     from .engine.engine import Engine
+    from .progress import Progress
 
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     try:
@@ -90,7 +90,7 @@ def _say(args: argparse.Namespace) -> int:
                 stream.push_text(word + " ")
             stream.close_input()
         with sf.SoundFile(args.out, "w", samplerate=SAMPLE_RATE, channels=1, subtype="PCM_16") as wav, \
-                tqdm(desc="speaking", unit="s audio", bar_format="{desc}: {n:.2f}{unit} [{elapsed}]") as bar:
+                Progress("speaking", unit="s audio", bar_format="{desc}: {n:.2f}{unit} [{elapsed}]") as bar:
             for chunk in stream.chunks():
                 wav.write(chunk.pcm)
                 bar.update(chunk.duration)

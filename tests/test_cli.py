@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import soundfile as sf
 
@@ -39,3 +43,21 @@ def test_unreachable_default_model_fails_fast_with_alternatives(tmp_path, capsys
 def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     assert main(["say", "   ", "--model", "synthetic:tiny", "--out", str(tmp_path / "x.wav")]) == 2
     assert "text is empty" in capsys.readouterr().err
+
+
+def test_demo_output_is_clean_off_a_terminal(tmp_path) -> None:
+    """`make demo`'s command through pipes, without the SoX binary: our lines only, no notices, no bar redraws."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(root)}
+    out = tmp_path / "hello.wav"
+    run = subprocess.run(
+        [sys.executable, "-m", "qwen3tts_agent.cli", "say", "Hello there, how can I help?",
+         "--model", "synthetic:tiny", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "no --voice given", "synthetic model", f"wrote {out}", "first audio",
+    ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -277,3 +280,20 @@ def test_torchaudio_stand_in_explains_itself() -> None:
         pytest.skip("a real torchaudio is installed")
     with pytest.raises(RuntimeError, match="25 Hz"):
         torchaudio.compliance.kaldi.fbank(torch.zeros(1, 16000))
+
+
+def test_official_import_is_quiet_without_sox_or_flash_attn(tmp_path: Path) -> None:
+    """The unused 25 Hz tokenizer's notices (SoX binary missing, flash-attn missing) stay out of our output."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(root)}  # no sox binary on PATH
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+    # the plain import, for comparison: the notices this machine would show
+    raw = run("from qwen3tts_agent.models import compat; compat._register_torchaudio_stand_in(); import qwen_tts")
+    assert raw.returncode == 0, raw.stderr
+    assert "SoX could not be found" in raw.stderr and "flash-attn" in raw.stdout
+    quiet = run("from qwen3tts_agent.models import import_qwen_tts; import_qwen_tts(); print('imported')")
+    assert quiet.returncode == 0, quiet.stderr
+    assert (quiet.stdout, quiet.stderr) == ("imported\n", "")

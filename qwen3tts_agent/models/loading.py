@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelLoadError
+from ..progress import library_bars
 from .compat import import_qwen_tts
 from .synthetic import SYNTHETIC_SPECS, ensure_synthetic_checkpoint, is_synthetic_spec
 
@@ -46,20 +47,22 @@ def load_official_model(
         device: where the talker and the speech tokenizer go (``device_map``, as the official README).
         dtype: their dtype (the official README uses ``torch.bfloat16`` on GPU).
         cache_dir: where synthetic checkpoints are cached (default: ``default_synthetic_cache_dir()``).
-        progress: show progress bars while building a big synthetic checkpoint.
+        progress: show the progress of building a big synthetic checkpoint, downloading and loading
+            (bars on a terminal, log lines otherwise; see ``qwen3tts_agent.progress``).
 
     Raises:
         ModelLoadError: unknown spec, missing folder, unreachable hub, or a checkpoint that does not load.
     """
     qwen_tts = import_qwen_tts()
-    folder = _resolve(model, cache_dir=cache_dir, progress=progress)
-    logger.info("Loading %s from %s on %s (%s)", model, folder, device, dtype)
-    started = time.perf_counter()
-    try:
-        # The official wrapper forwards these kwargs to the speech tokenizer too, so both share device/dtype.
-        wrapper = qwen_tts.Qwen3TTSModel.from_pretrained(str(folder), device_map=device, dtype=dtype)
-    except Exception as error:  # the official loader raises many kinds; all mean "this did not load"
-        raise ModelLoadError(f"Could not load {model!r} from {folder}: {error}") from error
+    with library_bars(progress):
+        folder = _resolve(model, cache_dir=cache_dir, progress=progress)
+        logger.info("Loading %s from %s on %s (%s)", model, folder, device, dtype)
+        started = time.perf_counter()
+        try:
+            # The official wrapper forwards these kwargs to the speech tokenizer too, so both share device/dtype.
+            wrapper = qwen_tts.Qwen3TTSModel.from_pretrained(str(folder), device_map=device, dtype=dtype)
+        except Exception as error:  # the official loader raises many kinds; all mean "this did not load"
+            raise ModelLoadError(f"Could not load {model!r} from {folder}: {error}") from error
     wrapper.model.eval()
     wrapper.model.speech_tokenizer.model.eval()
     logger.info("Loaded %s in %.1f s", model, time.perf_counter() - started)

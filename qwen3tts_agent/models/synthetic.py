@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
+from ..progress import Progress
 from .compat import import_qwen_tts
 
 logger = logging.getLogger(__name__)
@@ -677,8 +677,8 @@ def _write_safetensors(
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
     with (
         path.open("wb") as file,
-        tqdm(
-            total=offset, unit="B", unit_scale=True, desc=desc, disable=not progress or offset < 2**26
+        Progress(
+            desc, total=offset, unit="B", unit_scale=True, enabled=progress and offset >= 2**26, logger=logger
         ) as bar,
     ):
         file.write(len(encoded).to_bytes(8, "little"))
