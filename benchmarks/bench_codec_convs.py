@@ -5,7 +5,7 @@ decode: cuDNN's direct dilated convolution against the same convolution run undi
 phases (CUDA events, median of 30). Then the whole graphed decode with and without the split for the
 dilations from `codec.PHASE_SPLIT_MIN_DILATION` up. Writes a JSON report.
 
-    python benchmarks/bench_codec_convs.py --out codec-convs.json
+    python -m benchmarks.bench_codec_convs --out codec-convs.json
 """
 
 from __future__ import annotations
@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qwen3tts_agent.engine import codec as codec_module  # noqa: E402
-from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode  # noqa: E402
-from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from qwen3tts_agent.engine import codec as codec_module
+from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode
+from qwen3tts_agent.models.loading import load_official_model
 
 STREAMS, FRAMES = 32, 8
 

@@ -4,8 +4,8 @@ Fixed-length generation (`ignore_eos`), ICL voice clone with a cached 3 s refere
 stream. Latencies are measured where a caller sees them: from just before `open_stream` to the first chunk
 arriving in an asyncio consumer. Writes a JSON report and prints a summary.
 
-    python benchmarks/bench_engine.py --model synthetic:0.6b --out results.json
-    python benchmarks/bench_engine.py --model synthetic:tiny --device cpu --quick   # smoke test
+    python -m benchmarks.bench_engine --model synthetic:0.6b --out results.json
+    python -m benchmarks.bench_engine --model synthetic:tiny --device cpu --quick   # smoke test
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_kernels import time_stack  # noqa: E402
-from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
-from qwen3tts_agent.cli import demo_reference  # noqa: E402
-from qwen3tts_agent.engine import kernels  # noqa: E402
-from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE  # noqa: E402
+from benchmarks.bench_kernels import time_stack
+from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice
+from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.engine import kernels
+from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

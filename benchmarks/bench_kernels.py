@@ -6,8 +6,8 @@ times both inside CUDA graphs: one graph holds a whole stack of layer calls (28 
 predictor layers), distinct weights per layer so that they stream from HBM as in a real frame, and the median
 of many replays is reported. Writes a JSON report.
 
-    python benchmarks/bench_kernels.py --out kernels.json
-    python benchmarks/bench_kernels.py --smoke     # CPU, TRITON_INTERPRET=1, tiny shapes, no timing claims
+    python -m benchmarks.bench_kernels --out kernels.json
+    python -m benchmarks.bench_kernels --smoke     # CPU, TRITON_INTERPRET=1, tiny shapes, no timing claims
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @dataclass(frozen=True)

@@ -6,22 +6,19 @@ codes, with the repetition penalty, so fp32 scores). One graph holds 15 launches
 median replay over 15 is one sampling's latency. This times `fused_sample` alone; inside a frame the
 warp count matters more (`frame_kernels.TALKER_CODE0_WARPS`, measured with benchmarks/frame_timeline.py).
 
-    python benchmarks/bench_sampling.py --out sampling.json
+    python -m benchmarks.bench_sampling --out sampling.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_kernels import log, time_stack  # noqa: E402
-from qwen3tts_agent.engine import sampling_kernel  # noqa: E402
+from benchmarks.bench_kernels import log, time_stack
+from qwen3tts_agent.engine import sampling_kernel
 
 LAUNCHES = 15
 

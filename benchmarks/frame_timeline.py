@@ -5,7 +5,7 @@ This replays the captured frame under the profiler (CUPTI records the kernels a 
 each kernel the time by which it extends the frame: its end minus the latest end before it. Those charges
 add up to the replay's span; they are reported per kernel name and, for the predictor, per step position.
 
-    python benchmarks/frame_timeline.py --model synthetic:0.6b --out timeline.json
+    python -m benchmarks.frame_timeline --model synthetic:0.6b --out timeline.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -21,12 +20,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_engine import log  # noqa: E402
-from qwen3tts_agent import Engine, SamplingParams  # noqa: E402
-from qwen3tts_agent.engine import frame_kernels, kernels  # noqa: E402
-from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from benchmarks.bench_engine import log
+from qwen3tts_agent import Engine, SamplingParams
+from qwen3tts_agent.engine import frame_kernels, kernels
+from qwen3tts_agent.models.loading import load_official_model
 
 
 def replay_kernels(graph: torch.cuda.CUDAGraph, replays: int) -> list[list[dict[str, Any]]]:

@@ -3,7 +3,7 @@
 fp32: the codes must be identical for every frame. bf16: reports token agreement (both sides in bf16 take
 different but equally valid rounding paths, so they drift apart after a while).
 
-    python benchmarks/gpu_parity.py --model synthetic:0.6b --frames 200 --out parity.json
+    python -m benchmarks.gpu_parity --model synthetic:0.6b --frames 200 --out parity.json
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
-from qwen3tts_agent.cli import demo_reference  # noqa: E402
-from qwen3tts_agent.engine import kernels  # noqa: E402
-from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from qwen3tts_agent import Engine, SamplingParams, Voice
+from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.engine import kernels
+from qwen3tts_agent.models.loading import load_official_model
 
 TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

@@ -6,7 +6,7 @@ the codec's kernels run beside the frames on their own stream. This profiles one
 (CUPTI records every kernel and copy, on every stream) and splits each frame period into the frame's own
 span, the copies, the idle gap, and how much longer frames grow while codec kernels overlap them.
 
-    python benchmarks/loop_timeline.py --model synthetic:0.6b --out loop-timeline.json
+    python -m benchmarks.loop_timeline --model synthetic:0.6b --out loop-timeline.json
 """
 
 from __future__ import annotations
@@ -15,19 +15,16 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_engine import REF_TEXT, log, run_stream  # noqa: E402
-from qwen3tts_agent import Engine, Voice  # noqa: E402
-from qwen3tts_agent.cli import demo_reference  # noqa: E402
-from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from benchmarks.bench_engine import REF_TEXT, log, run_stream
+from qwen3tts_agent import Engine, Voice
+from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.models.loading import load_official_model
 
 LAST_KERNEL_OF_A_FRAME = "_talker_code0_kernel"
 

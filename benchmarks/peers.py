@@ -5,8 +5,8 @@ One system per process, because the two need different transformers versions and
 package named ``qwen_tts`` (official ``qwen-tts`` on transformers 4.57.3; ``qwen-tts-hf`` on 5.16.1
 under faster-qwen3-tts). Put the right stack first on PYTHONPATH (see ``benchmarks/fetch_wheels.sh``):
 
-    PYTHONPATH=/tmp/official python3 benchmarks/peers.py --system official --checkpoint DIR ...
-    PYTHONPATH=/tmp/faster   python3 benchmarks/peers.py --system faster --chunk-size 8 --checkpoint DIR ...
+    PYTHONPATH=/tmp/official python3 -m benchmarks.peers --system official --checkpoint DIR ...
+    PYTHONPATH=/tmp/faster   python3 -m benchmarks.peers --system faster --chunk-size 8 --checkpoint DIR ...
 
 What is measured, per run (after ``--warmup`` untimed runs; median and p95 over ``--runs``):
   * first audio: submit -> first PCM samples in the caller's hands (for the official package, which
@@ -288,7 +288,6 @@ def resolve_checkpoint(spec: str, system: str) -> Path:
                 "synthetic checkpoints are built with the official qwen-tts stack: run the official "
                 "system (or ensure_synthetic_checkpoint) first and pass the folder it prints"
             )
-        sys.path.insert(0, str(ROOT))
         from qwen3tts_agent.models.synthetic import ensure_synthetic_checkpoint
 
         log(f"building/locating {spec}")

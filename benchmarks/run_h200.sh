@@ -29,22 +29,22 @@ for stage in "$@"; do
   case $stage in
     smoke)
       for flags in "" "--no-fused-kernels" "--no-fused-kernels --no-overlap-codec"; do
-        if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 benchmarks/bench_engine.py --model synthetic:0.6b \
+        if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 -m benchmarks.bench_engine --model synthetic:0.6b \
              --smoke $flags $pdl --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
         else echo "smoke FAILED with flags: '$flags'"; grep -v Assertion "$out/smoke.log" | tail -4; fi
       done ;;
-    sweep) official benchmarks/sweep_gemv.py $pdl --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
-    kernels) official benchmarks/bench_kernels.py --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
+    sweep) official -m benchmarks.sweep_gemv $pdl --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
+    kernels) official -m benchmarks.bench_kernels --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
-    timeline) official benchmarks/frame_timeline.py --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
-    loop) official benchmarks/loop_timeline.py --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
+    timeline) official -m benchmarks.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
+    loop) official -m benchmarks.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
-    parity) official benchmarks/gpu_parity.py --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
-    parity-1.7b) official benchmarks/gpu_parity.py --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
+    parity) official -m benchmarks.gpu_parity --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    parity-1.7b) official -m benchmarks.gpu_parity --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
                    --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
-    engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
+    engine-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
-    engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags $pdl \
+    engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py
@@ -53,11 +53,11 @@ for stage in "$@"; do
       text=$(official -c "import benchmarks.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
       ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
       same=(--checkpoint "$ckpt" --frames 100 --ref-audio /tmp/ref.wav --ref-text "$ref_text" --text "$text")
-      official benchmarks/peers.py --system official "${same[@]}" --runs "${OFFICIAL_RUNS:-5}" \
+      official -m benchmarks.peers --system official "${same[@]}" --runs "${OFFICIAL_RUNS:-5}" \
         --out "$out/official-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       [ -d /tmp/faster ] || $install --target /tmp/faster .whl/faster/*.whl .whl/common/*.whl || exit 1
       for c in 1 8; do
-        PYTHONPATH=/tmp/faster python3 benchmarks/peers.py --system faster --chunk-size $c "${same[@]}" \
+        PYTHONPATH=/tmp/faster python3 -m benchmarks.peers --system faster --chunk-size $c "${same[@]}" \
           --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;

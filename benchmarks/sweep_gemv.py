@@ -8,7 +8,7 @@ launches over distinct weight copies (so the weights stream from HBM, as in a fr
 and prints the best tiles as the `GEMV_TILES` table of `kernels.py`. Compilation runs in worker processes first
 (Triton caches it on disk), then the timing runs in this one.
 
-    python benchmarks/sweep_gemv.py --out gemv-sweep.json
+    python -m benchmarks.sweep_gemv --out gemv-sweep.json
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_kernels import time_stack  # noqa: E402
-from qwen3tts_agent.engine import kernels  # noqa: E402
-from qwen3tts_agent.engine.kernels import GemvTiles  # noqa: E402
+from benchmarks.bench_kernels import time_stack
+from qwen3tts_agent.engine import kernels
+from qwen3tts_agent.engine.kernels import GemvTiles
 
 # (name, n_out, k_dim, flavour): the products of one decode layer, and the predictor's heads
 SHAPES = [
