@@ -42,8 +42,10 @@ demo: setup
 test: setup system-packages
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q
 
+# ruff over everything; mypy over the package (its settings are in pyproject.toml)
 lint: setup
 	$(VENV)/bin/ruff check qwen3tts_agent tests benchmarks examples
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) hello.wav

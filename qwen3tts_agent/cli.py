@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
+from .engine.voices import AudioInput
 from .errors import Qwen3TTSAgentError
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"
@@ -64,11 +65,11 @@ def _say(args: argparse.Namespace) -> int:
         voice = Voice(speaker=args.speaker, instruct=args.instruct)
         if engine.model_type == "base":
             if args.voice:
-                reference: object = args.voice
+                reference: AudioInput = args.voice
             else:
                 print("no --voice given: cloning a built-in synthetic reference signal (pass --voice REF.wav for a real voice)")
                 reference = demo_reference()
-            prompt = engine.create_voice(reference, args.ref_text, x_vector_only=not args.ref_text)  # type: ignore[arg-type]
+            prompt = engine.create_voice(reference, args.ref_text, x_vector_only=not args.ref_text)
             voice = Voice(prompt=prompt)
         elif engine.model_type == "custom_voice" and not args.speaker:
             voice = Voice(speaker=engine.speakers[0], instruct=args.instruct)

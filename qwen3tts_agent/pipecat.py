@@ -29,7 +29,7 @@ try:
     from pipecat.transcriptions.language import Language, resolve_language
     from pipecat.utils.errors import ErrorCategory
     from pipecat.utils.tracing.service_decorators import traced_tts
-    from pipecat.utils.types import NOT_GIVEN, NotGiven
+    from pipecat.utils.types import NOT_GIVEN, NotGiven, assert_given
 except ModuleNotFoundError as e:
     raise ImportError(f'{e}. The Pipecat integration needs: pip install "qwen3tts-agent[pipecat]"') from e
 
@@ -116,7 +116,7 @@ class Qwen3TTSService(TTSService):
     """
 
     Settings = Qwen3TTSSettings
-    _settings: Settings
+    _settings: Qwen3TTSSettings
 
     def __init__(
         self,
@@ -124,7 +124,7 @@ class Qwen3TTSService(TTSService):
         engine: Engine,
         voices: Mapping[str, VoicePrompt] | None = None,
         chunk_schedule: Sequence[int] | None = None,
-        settings: Settings | None = None,
+        settings: Qwen3TTSSettings | None = None,
         **kwargs: Any,
     ) -> None:
         """Initialize the service.
@@ -158,7 +158,7 @@ class Qwen3TTSService(TTSService):
         """Convert a Pipecat language to the engine's language name."""
         return language_to_qwen3tts_language(language)
 
-    async def _update_settings(self, delta: Settings) -> dict[str, Any]:
+    async def _update_settings(self, delta: TTSSettings) -> dict[str, Any]:  # type: ignore[override]  # as TTSService itself narrows AIService
         """Apply a delta; it takes effect from the next utterance. The model is fixed by the engine."""
         changed = await super()._update_settings(delta)
         if "model" in changed:
@@ -236,14 +236,18 @@ class Qwen3TTSService(TTSService):
 
     async def _open(self, context_id: str, text: str | None) -> _Utterance | None:
         """Open an engine stream with a snapshot of the settings; errors become ErrorFrames."""
-        s = self._settings
+        s = self._settings  # the service's own settings: every field is given
         try:
-            voice = Voice(speaker=s.speaker, instruct=s.instruct, prompt=await self._voice_prompt(s.voice))
+            voice = Voice(
+                speaker=assert_given(s.speaker),
+                instruct=assert_given(s.instruct),
+                prompt=await self._voice_prompt(assert_given(s.voice)),
+            )
             stream = self._engine.open_stream(
                 text,
                 voice=voice,
                 language=s.language or "auto",
-                sampling=s.sampling,
+                sampling=assert_given(s.sampling),
                 chunk_schedule=self._chunk_schedule,
             )
         except Qwen3TTSAgentError as e:

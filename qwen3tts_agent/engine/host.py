@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 
-def upload(data: Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(data: Sequence[float] | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`data` as a tensor of `dtype` on `device`, copied asynchronously when `device` is a GPU."""
     host = torch.as_tensor(data, dtype=dtype)
     if device.type != "cuda":

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.compat import OfficialModule
+
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     """Concatenate Linear weights along the output dim and make the modules view into the result."""
@@ -44,7 +46,7 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 class FusedDecoderLayer:
     """Weights of one official decoder layer, rearranged for the decode path."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: OfficialModule) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from ..models.compat import OfficialModule
 from .host import upload
 from .types import TextLayout, VoicePrompt
 
@@ -21,6 +22,7 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 VOICE_CACHE = 64  # cloned voices, and prompt heads, whose tensors stay on the device
+_NOT_ICL = "an in-context prompt needs a cloned voice with reference codes"
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class PromptBody:
 class PromptBuilder:
     """Builds prompt embeddings from the official modules of a loaded model."""
 
-    def __init__(self, model: torch.nn.Module, role_ids: list[int]) -> None:
+    def __init__(self, model: OfficialModule, role_ids: list[int]) -> None:
         talker = model.talker
         self._cfg = model.config
         self._tcfg = model.config.talker_config
@@ -79,10 +81,10 @@ class PromptBuilder:
         cached = _lru_get(self._voices, clone.voice_id)
         if cached is not None:
             return cached
-        speaker = upload(clone.speaker_embedding, self._dtype, self._device).view(1, -1)  # type: ignore[arg-type]
+        speaker = upload(clone.speaker_embedding, self._dtype, self._device).view(1, -1)
         ref = None
         if clone.ref_codes is not None:
-            codes = upload(clone.ref_codes, torch.long, self._device)  # type: ignore[arg-type]
+            codes = upload(clone.ref_codes, torch.long, self._device)
             parts = [self._codec_embedding(codes[:, 0])]
             parts += [emb(codes[:, i + 1]) for i, emb in enumerate(self._predictor_embeddings)]
             ref = torch.cat([self._codec([self._tcfg.codec_bos_id]), torch.stack(parts, dim=1).sum(1)])
@@ -130,7 +132,17 @@ class PromptBuilder:
         return n_text >= 1
 
     def _icl_codec_len(self, spec: PromptSpec) -> int:
-        return 1 + int(spec.clone.ref_codes.shape[0])  # type: ignore[union-attr]
+        codes = spec.clone.ref_codes if spec.clone is not None else None
+        if codes is None:
+            raise ValueError(_NOT_ICL)
+        return 1 + int(codes.shape[0])
+
+    def _reference_track(self, spec: PromptSpec) -> torch.Tensor:
+        """The codec track of an in-context prompt: codec_bos and the reference codes' embeddings."""
+        track = self._voice(spec.clone)[1] if spec.clone is not None else None
+        if track is None:
+            raise ValueError(_NOT_ICL)
+        return track
 
     @torch.inference_mode()
     def body(self, spec: PromptSpec, text_ids: list[int], closed: bool) -> PromptBody:
@@ -140,7 +152,7 @@ class PromptBuilder:
         tail = [eos] if closed else []
         if spec.icl:
             all_ids = list(spec.ref_text_ids) + text_ids + tail
-            codec = self._voice(spec.clone)[1]  # type: ignore[arg-type]
+            codec = self._reference_track(spec)
             if spec.layout is TextLayout.PREFILL:
                 embeds = torch.cat([
                     self._text(all_ids) + self._codec([cfg.codec_pad_id] * len(all_ids)),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.compat import OfficialModule
 from . import frame_kernels, kernels
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
@@ -50,7 +51,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: OfficialModule,
         *,
         max_slots: int,
         max_seq_len: int,
@@ -252,7 +253,7 @@ class ModelRunner:
         kernels.gemv(rows, proj.weight, out, bias=proj.bias)
         return out.view(*x.shape[:-1], proj.out_features)
 
-    def _logits(self, x: torch.Tensor, norm: torch.nn.Module, head: torch.nn.Linear) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, norm: OfficialModule, head: torch.nn.Linear) -> torch.Tensor:
         """head(norm(x)) for rows x [b, hidden], as one kernel when fused."""
         if not self.fused_kernels or x.shape[0] > kernels.GEMV_MAX_ROWS:
             return head(norm(x))

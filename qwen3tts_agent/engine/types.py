@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the value types stay importable without loading torch
+    import torch
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1_920  # one 12.5 Hz codec frame = 80 ms at 24 kHz
@@ -34,11 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     @classmethod
-    def greedy(cls, **overrides: object) -> SamplingParams:
+    def greedy(cls, **overrides: Any) -> SamplingParams:
         """Deterministic decoding for both the talker and the code predictor (used for parity)."""
-        base = dict(do_sample=False, subtalker_do_sample=False)
-        base.update(overrides)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls(**{"do_sample": False, "subtalker_do_sample": False, **overrides})
 
 
 class TextLayout(str, Enum):
@@ -76,8 +78,8 @@ class VoicePrompt:
     """
 
     voice_id: str
-    speaker_embedding: object  # torch.Tensor [hidden]
-    ref_codes: object | None  # torch.Tensor [frames, 16] (ICL mode) or None (x-vector only)
+    speaker_embedding: torch.Tensor  # [hidden]
+    ref_codes: torch.Tensor | None  # [frames, 16] (ICL mode) or None (x-vector only)
     ref_text: str | None
     x_vector_only: bool
 

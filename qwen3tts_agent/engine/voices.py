@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidReferenceAudioError, InvalidRequestError
+from ..models.compat import OfficialModule
 from .types import VoicePrompt
 
 AudioInput = str | Path | bytes | tuple[np.ndarray, int]
@@ -71,7 +72,7 @@ def voice_id_for(wav: np.ndarray, sr: int, ref_text: str | None, x_vector_only: 
 class VoiceEncoder:
     """Turns references into `VoicePrompt`s through the official `create_voice_clone_prompt`, with a cache."""
 
-    def __init__(self, official: object) -> None:
+    def __init__(self, official: OfficialModule) -> None:
         self._official = official
         self._cache: dict[str, VoicePrompt] = {}
         self._lock = threading.Lock()
@@ -87,7 +88,7 @@ class VoiceEncoder:
             if cached is not None:
                 return cached
             with torch.inference_mode():
-                item = self._official.create_voice_clone_prompt(  # type: ignore[attr-defined]
+                item = self._official.create_voice_clone_prompt(
                     ref_audio=(wav, sr), ref_text=ref_text, x_vector_only_mode=x_vector_only
                 )[0]
             prompt = VoicePrompt(
@@ -103,9 +104,9 @@ class VoiceEncoder:
 
 def save_voice(prompt: VoicePrompt, path: str | Path) -> None:
     """Write a voice prompt as safetensors (no pickle), so a server can reload registrations safely."""
-    tensors = {"speaker_embedding": prompt.speaker_embedding.contiguous()}  # type: ignore[union-attr]
+    tensors = {"speaker_embedding": prompt.speaker_embedding.contiguous()}
     if prompt.ref_codes is not None:
-        tensors["ref_codes"] = prompt.ref_codes.contiguous()  # type: ignore[union-attr]
+        tensors["ref_codes"] = prompt.ref_codes.contiguous()
     meta = {"format": _VOICE_FORMAT, "voice_id": prompt.voice_id, "x_vector_only": prompt.x_vector_only}
     if prompt.ref_text is not None:
         meta["ref_text"] = prompt.ref_text

@@ -25,7 +25,12 @@ import shutil
 import sys
 from collections.abc import Iterator
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn, TypeAlias
+
+# The official modules are untyped: torch's `Module.__getattr__` types their submodules and config fields as
+# `Tensor | Module`, which says nothing. Code that walks them (to take their weights, shapes and configs)
+# takes them as `OfficialModule`; their meaning is checked by the parity tests, not by the type checker.
+OfficialModule: TypeAlias = Any
 
 # What the 25 Hz tokenizer's import says that concerns no 12 Hz model.
 _SOX_MISSING_NOTICE = "SoX could not be found"
@@ -93,7 +98,7 @@ def _register_torchaudio_stand_in() -> None:
     # A failed import can leave half-initialised torchaudio modules behind; drop them first.
     for name in [n for n in sys.modules if n == "torchaudio" or n.startswith("torchaudio.")]:
         del sys.modules[name]
-    modules = {}
+    modules: dict[str, Any] = {}  # plain modules, given attributes below
     for name in ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"):
         module = ModuleType(name)
         # A spec keeps importlib.util.find_spec() working; without dist metadata, libraries such

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..progress import Progress
-from .compat import import_qwen_tts
+from .compat import OfficialModule, import_qwen_tts
 
 logger = logging.getLogger(__name__)
 
@@ -615,7 +615,7 @@ def _talker_init(eos_id: int) -> _Init:
     return init
 
 
-def _codec_init(codec: torch.nn.Module) -> _Init:
+def _codec_init(codec: OfficialModule) -> _Init:
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2DecoderDecoderResidualUnit,
     )
@@ -685,5 +685,5 @@ def _write_safetensors(
         file.write(encoded)
         for name in shapes:
             data = make(name).to(dtype).contiguous()
-            file.write(data.view(torch.uint8).numpy())
+            file.write(data.view(torch.uint8).numpy().data)
             bar.update(data.numel() * itemsize)
