@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from qwen3tts_agent import Engine
-from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.reference import demo_reference
 from qwen3tts_agent.models.loading import load_official_model
 
 REF_TEXT = "This is what my voice sounds like."
