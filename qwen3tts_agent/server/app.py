@@ -208,7 +208,9 @@ def create_app(
         # a bug, not the client's fault: logged with its traceback (by the server), answered in OpenAI's shape
         err = ApiError("internal_error", f"internal server error ({type(exc).__name__})")
         state.count_error(err)
-        return error_response(err)
+        response = error_response(err)
+        response.headers["Connection"] = "close"  # the server drops the connection after an unhandled error
+        return response
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -13,8 +13,9 @@ its memory outlive the request. These subclasses add exactly those bounds and no
   behind what is buffered, and a connection whose close is not answered within `send_timeout_s` is aborted;
   so is any connection still open that long after its session ended. The app itself times out its sends
   (see `StreamSession`), so it can still say why it closes.
-- Both: the transport's write buffer is capped at `send_buffer_bytes`, so each connection queues a bounded
-  amount before its sends wait for the client.
+- Both: each connection queues a bounded amount before its sends wait for the client: the transport's write
+  buffer holds `send_buffer_bytes`, and so does the kernel's socket buffer (SO_SNDBUF, which Linux doubles
+  for bookkeeping), instead of growing by autotuning to megabytes (minutes of audio) per connection.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,7 +57,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)
+        bound_send_buffers(transport, self.limits.send_buffer_bytes)
         self._expect_head()  # a connection that never sends a byte is held no longer than a slow head
 
     def on_message_begin(self) -> None:
@@ -120,7 +122,7 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)
+        bound_send_buffers(self.transport, self.limits.send_buffer_bytes)
 
     async def send(self, message: Any) -> None:
         if message["type"] == "websocket.close" and self._open():
@@ -155,6 +157,14 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.read_paused = False
             self.transport.resume_reading()
         self.close_timer = self.loop.call_later(self.close_timeout, self.transport.abort)
+
+
+def bound_send_buffers(transport: asyncio.Transport, size: int) -> None:
+    """Cap what one connection buffers for its client: the transport's queue and the kernel's socket buffer."""
+    transport.set_write_buffer_limits(high=size)
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 def connection_protocols(config: ServerConfig) -> tuple[type[BoundedHttpProtocol], type[BoundedWebSocketProtocol]]:
