@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_kernels import time_stack  # noqa: E402
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice  # noqa: E402
-from qwen3tts_agent.reference import demo_reference  # noqa: E402
 from qwen3tts_agent.engine import kernels  # noqa: E402
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE  # noqa: E402
+from qwen3tts_agent.reference import demo_reference  # noqa: E402
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

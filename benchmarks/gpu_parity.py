@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
-from qwen3tts_agent.reference import demo_reference  # noqa: E402
 from qwen3tts_agent.engine import kernels  # noqa: E402
 from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from qwen3tts_agent.reference import demo_reference  # noqa: E402
 
 TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

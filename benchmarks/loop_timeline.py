@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import REF_TEXT, log, run_stream  # noqa: E402
 from qwen3tts_agent import Engine, Voice  # noqa: E402
-from qwen3tts_agent.reference import demo_reference  # noqa: E402
 from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
+from qwen3tts_agent.reference import demo_reference  # noqa: E402
 
 LAST_KERNEL_OF_A_FRAME = "_talker_code0_kernel"
 

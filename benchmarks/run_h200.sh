@@ -49,7 +49,7 @@ for stage in "$@"; do
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py
       size=${stage#peers-}; ckpt=$(checkpoint "synthetic:$size")
-      official -c "import soundfile as sf; from qwen3tts_agent.cli import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
+      official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
       text=$(official -c "import benchmarks.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
       ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
       same=(--checkpoint "$ckpt" --frames 100 --ref-audio /tmp/ref.wav --ref-text "$ref_text" --text "$text")
