@@ -49,6 +49,8 @@ def error_response(err: ApiError) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     elif err.status == 503:
         headers["Retry-After"] = "1"
+    elif err.code == "request_timeout":
+        headers["Connection"] = "close"  # the rest of a body that came too slowly is not worth waiting for
     return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
 
 

@@ -93,6 +93,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_deadline = None
         if self.transport.is_closing():
             return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._expect_head()  # a pipelined head: its time counts once the response before it is done
+            return
         err = ApiError("request_timeout", f"request head not received within {self.limits.read_timeout_s:g}s")
         body = json.dumps(err.to_openai()).encode()
         self.transport.write(
