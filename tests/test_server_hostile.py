@@ -222,9 +222,10 @@ async def test_clients_that_stop_reading_lose_their_slots_not_the_server(
 
 
 async def test_an_http_client_that_stops_reading_frees_its_slot(server_engine: Engine, tmp_path: Path) -> None:  # noqa: F811
-    config = make_config(tmp_path, max_active_streams=1, send_timeout_s=1.0, send_buffer_bytes=16384)
+    config = make_config(tmp_path, max_active_streams=1, send_timeout_s=1.0, send_buffer_bytes=16384, max_frames=2000)
     with running_server(config, engine=server_engine) as srv:
-        body = json.dumps({**SPEECH, "response_format": "pcm", "sampling": {"max_frames": 400, "ignore_eos": True}})
+        # far longer than the test: only the stall can end it in time
+        body = json.dumps({**SPEECH, "response_format": "pcm", "sampling": {"max_frames": 2000, "ignore_eos": True}})
         opened = server_engine.stats().streams_started
         sock = small_receive_buffer(srv.port)
         sock.setblocking(True)
