@@ -186,10 +186,11 @@ def create_app(
     app = FastAPI(title="qwen3tts-agent", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
-    def authorized(connection: HTTPConnection) -> None:
+    # async, so FastAPI runs them on the event loop rather than in its thread pool
+    async def authorized(connection: HTTPConnection) -> None:
         state.authorize(connection.headers.get("authorization"))
 
-    def ready() -> Admission:
+    async def ready() -> Admission:
         return state.require_ready()
 
     @app.exception_handler(ApiError)
@@ -289,8 +290,8 @@ def create_app(
         try:
             # the same gates as the HTTP routes, called directly: a WebSocket dependency that raises cannot
             # answer with a status code, and refusing the upgrade with one is what clients can act on
-            authorized(ws)
-            ready()
+            await authorized(ws)
+            await ready()
             if state.sessions >= config.max_sessions:
                 raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly")
         except ApiError as err:
