@@ -135,16 +135,13 @@ class SamplingOptions(_Strict):
     ignore_eos: bool | None = None
 
     def to_params(self, max_frames_cap: int) -> SamplingParams:
-        """The engine's parameters; `max_frames` never above the server's cap (the engine checks the rest)."""
         values = self.model_dump(exclude_none=True)
-        requested = values.get("max_frames")
-        if requested is not None and requested > max_frames_cap:
+        requested = values.get("max_frames", min(SamplingParams.max_frames, max_frames_cap))
+        if requested > max_frames_cap:
             raise ApiError(
                 "invalid_message", f"sampling.max_frames must be at most {max_frames_cap}", param="max_frames"
             )
-        engine_default = SamplingParams.max_frames  # None: the engine bounds an utterance by its text's length
-        if requested is None and engine_default is not None and engine_default > max_frames_cap:
-            values["max_frames"] = max_frames_cap
+        values["max_frames"] = requested
         return SamplingParams(**values)
 
 
