@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import re
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from websockets.exceptions import ConnectionClosed
 
 from qwen3tts_agent import Engine
 from qwen3tts_agent.server import protocol
+from qwen3tts_agent.server.cli import uvicorn_config
+from qwen3tts_agent.server.connections import BoundedWebSocketProtocol
 from qwen3tts_agent.server.protocol import ERROR_STATUS
 from tests.server_fixtures import (
     API_KEY,
@@ -325,3 +328,10 @@ def test_serve_without_the_server_extra_prints_the_install_hint() -> None:
     assert proc.returncode == 2, proc.stderr
     assert 'pip install "qwen3tts-agent[server]"' in proc.stderr
     assert "unrecognized" not in proc.stderr and "No module named" in proc.stderr
+
+
+def test_the_uvicorn_settings_survive_pickling_for_worker_processes(tmp_path: Path) -> None:
+    """uvicorn hands its config to worker processes by pickling it: the bounded protocols must come along."""
+    config = uvicorn_config("qwen3tts_agent.server.app:create_app", make_config(tmp_path, send_timeout_s=3.0))
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy.http.keywords["limits"].send_timeout_s == 3.0 and copy.ws.func is BoundedWebSocketProtocol

@@ -8,7 +8,7 @@ ending with a `close` or an abrupt disconnect. Whatever the sequence, the protoc
 - every utterance the server opened gets exactly one `done` (when the session ends with `close`), no audio
   after its `done`, and an `error` naming an utterance is followed by that utterance's `done`;
 - after a `cancel` (as seen by the server's reply to the next message), no audio of the utterances it
-  cancelled, and their `done` says `cancelled` unless it had arrived before;
+  cancelled, and their `done` says `cancelled` unless it had arrived before (or their error had);
 - afterwards nothing of the session is left in the server or the engine, and a fresh session is served.
 """
 
@@ -137,6 +137,7 @@ def check_invariants(received: Received, model: Model, probes: list[set[int]], *
     messages = received.messages
     done: dict[int, str] = {}
     audio_after: dict[int, int] = {}  # uid -> index of its last audio header
+    errors_for: set[int] = set()  # utterances an error message named
     probe_replies = [i for i, m in enumerate(messages) if isinstance(m, dict) and "'probe'" in m.get("message", "")]
     for i, message in enumerate(messages):
         if isinstance(message, bytes):
@@ -158,6 +159,7 @@ def check_invariants(received: Received, model: Model, probes: list[set[int]], *
             done[uid] = message["finish_reason"]
         elif kind == "error" and "utterance_id" in message:
             uid = message["utterance_id"]
+            errors_for.add(uid)
             assert message["code"] and uid not in done, message
             later = [m for m in messages[i:] if isinstance(m, dict) and m["type"] == "done" and m["utterance_id"] == uid]
             assert later or not complete, f"error for utterance {uid} without its done"
@@ -169,7 +171,9 @@ def check_invariants(received: Received, model: Model, probes: list[set[int]], *
                 None,
             )
             if done_at is not None and done_at > reply_at:
-                assert done[uid] == "cancelled", (uid, done[uid])
+                # an utterance whose failure was already being reported keeps its error's done
+                failed = uid in errors_for
+                assert done[uid] == "cancelled" or (failed and done[uid] == "error"), (uid, done[uid])
     assert set(done) <= set(range(1, model.opened + 1)), (sorted(done), model.opened)
     if complete:
         assert sorted(done) == list(range(1, model.opened + 1)), f"done for {sorted(done)}, opened {model.opened}"

@@ -24,8 +24,10 @@ import asyncio
 import json
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from functools import partial
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import ClientDisconnected
@@ -48,10 +50,9 @@ class ConnectionLimits:
 class BoundedHttpProtocol(HttpToolsProtocol):
     """httptools HTTP/1.1 with a deadline for each request head and for unread responses."""
 
-    limits: ClassVar[ConnectionLimits]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.limits = limits
         self._head_deadline: asyncio.TimerHandle | None = None
         self._unread_deadline: asyncio.TimerHandle | None = None
 
@@ -117,11 +118,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
     """websockets-sansio whose close never waits on a client that does not read."""
 
-    limits: ClassVar[ConnectionLimits]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.close_timeout = self.limits.send_timeout_s  # how long an unanswered close may keep the connection
+        self.limits = limits
+        self.close_timeout = limits.send_timeout_s  # how long an unanswered close may keep the connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -170,16 +170,19 @@ def bound_send_buffers(transport: asyncio.Transport, size: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
-def connection_protocols(config: ServerConfig) -> tuple[type[BoundedHttpProtocol], type[BoundedWebSocketProtocol]]:
-    """The two protocol classes, bound to this server's limits (uvicorn instantiates them per connection)."""
+def connection_protocols(
+    config: ServerConfig,
+) -> tuple[Callable[..., BoundedHttpProtocol], Callable[..., BoundedWebSocketProtocol]]:
+    """The two protocol factories, bound to this server's limits (uvicorn makes one per connection).
+
+    Partials of module-level classes, so a uvicorn config that holds them pickles (worker processes).
+    """
     limits = ConnectionLimits(
         send_buffer_bytes=config.send_buffer_bytes,
         send_timeout_s=config.send_timeout_s,
         read_timeout_s=config.http_read_timeout_s,
     )
-    http = type("BoundedHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
-    ws = type("BoundedWebSocketProtocol", (BoundedWebSocketProtocol,), {"limits": limits})
-    return http, ws
+    return partial(BoundedHttpProtocol, limits=limits), partial(BoundedWebSocketProtocol, limits=limits)
 
 
 def _cancel(timer: asyncio.TimerHandle | None) -> None:
