@@ -26,9 +26,9 @@ import torch
 
 from benchmarks.bench_kernels import time_stack
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice
-from qwen3tts_agent.cli import demo_reference
 from qwen3tts_agent.engine import kernels
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
+from qwen3tts_agent.reference import demo_reference
 
 BENCH_TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

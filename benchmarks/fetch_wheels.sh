@@ -9,6 +9,7 @@
 #   .whl/faster/    faster-qwen3-tts on qwen-tts-hf + transformers 5.16.1 (qwen-tts-hf breaks on 5.17+)
 #   .whl/common/    audio packages both need (librosa and the small deps the machine lacks)
 #   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
+#   .whl/server/    the server's stack for benchmarks/soak.py (fastapi, uvicorn, websockets, pydantic, ...)
 #
 # Install each stack into its own --target folder there (both import a package named qwen_tts):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -38,6 +39,19 @@ FASTER=(
     faster-qwen3-tts==0.5.4
     qwen-tts-hf==0.1.1.post1
     transformers==5.16.1
+)
+SERVER=(
+    fastapi==0.165.0
+    starlette==1.10.0
+    uvicorn==0.54.0
+    httptools==0.9.0
+    websockets==17.4
+    pydantic==2.14.4
+    pydantic-core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    opentelemetry-api==1.45.2  # fastapi 0.165 requires it
+    typing-extensions==4.16.0  # pydantic 2.14 wants >=4.16; the machine's version is not on record
 )
 COMMON=(
     librosa==0.11.0
@@ -70,11 +84,12 @@ fetch() {
 fetch official "${OFFICIAL[@]}"
 fetch faster "${FASTER[@]}"
 fetch common "${COMMON[@]}"
+fetch server "${SERVER[@]}"
 fetch tools py-spy==0.4.3
 
 # Prune stale wheels (another version, or a package no longer listed), then check that every
 # requirement of every wheel is met by the wheels installed with it or by the GPU machine's image.
-"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" <<'PY'
+"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" "${SERVER[*]}" <<'PY'
 import sys
 import zipfile
 from email.parser import Parser
@@ -86,7 +101,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 dest = Path(sys.argv[1])
 pins = {
     folder: {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in spec.split()}
-    for folder, spec in zip(("official", "faster", "common"), sys.argv[2:5])
+    for folder, spec in zip(("official", "faster", "common", "server"), sys.argv[2:6])
 }
 
 # The GPU machine's Python packages (device docs, KINDS.md, read 2026-11-17).
@@ -147,7 +162,7 @@ def requirements(path: Path) -> list[Requirement]:
 
 problems = 0
 for stack in ("official", "faster"):
-    installed = {**wheels["common"], **wheels[stack]}
+    installed = {**wheels["common"], **wheels[stack], **(wheels["server"] if stack == "official" else {})}
     print(f"== requirement check, stack {stack} (+ common)")
     for name, (version, path) in sorted(installed.items()):
         for req in requirements(path):
@@ -172,7 +187,7 @@ for stack in ("official", "faster"):
 
 print("== fetched")
 total = 0
-for folder in ("official", "faster", "common"):
+for folder in ("official", "faster", "common", "server"):
     for name, (version, path) in sorted(wheels[folder].items()):
         size = path.stat().st_size
         total += size

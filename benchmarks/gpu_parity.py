@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.cli import demo_reference
 from qwen3tts_agent.engine import kernels
 from qwen3tts_agent.models.loading import load_official_model
+from qwen3tts_agent.reference import demo_reference
 
 TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "

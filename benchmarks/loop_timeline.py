@@ -23,8 +23,8 @@ import torch
 
 from benchmarks.bench_engine import REF_TEXT, log, run_stream
 from qwen3tts_agent import Engine, Voice
-from qwen3tts_agent.cli import demo_reference
 from qwen3tts_agent.models.loading import load_official_model
+from qwen3tts_agent.reference import demo_reference
 
 LAST_KERNEL_OF_A_FRAME = "_talker_code0_kernel"
 

@@ -4,7 +4,8 @@
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, timeline (where a 0.6B frame's time goes), loop (where a live stream's frame
 # period goes), parity, parity-1.7b (fp32),
-# engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
+# engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b, soak (10,000 mixed utterances through the server at load:
+# flat RSS, CUDA memory back to its value, metrics that add up; SOAK_UTTERANCES, SOAK_CONCURRENCY).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -49,7 +50,7 @@ for stage in "$@"; do
     peers-0.6b|peers-1.7b)
       # the same text, 3 s reference and frame count as benchmarks/bench_engine.py
       size=${stage#peers-}; ckpt=$(checkpoint "synthetic:$size")
-      official -c "import soundfile as sf; from qwen3tts_agent.cli import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
+      official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
       text=$(official -c "import benchmarks.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
       ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
       same=(--checkpoint "$ckpt" --frames 100 --ref-audio /tmp/ref.wav --ref-text "$ref_text" --text "$text")
@@ -60,6 +61,11 @@ for stage in "$@"; do
         PYTHONPATH=/tmp/faster python3 -m benchmarks.peers --system faster --chunk-size $c "${same[@]}" \
           --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       done ;;
+    soak)
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      official -m benchmarks.soak --model synthetic:0.6b --device cuda --utterances ${SOAK_UTTERANCES:-10000} \
+        --concurrency ${SOAK_CONCURRENCY:-64} --max-streams 64 --frames 12 --max-rss-growth-mb 50 \
+        --out "$out/soak-gpu.json" 2>&1 | tee "$out/soak.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -7,23 +7,13 @@ import logging
 import sys
 import time
 
-import numpy as np
-
 from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
 from .engine.voices import AudioInput
 from .errors import Qwen3TTSAgentError
+from .reference import demo_reference
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-Base"
 FRAMES_PER_CHARACTER = 0.9  # 12.5 frames/s over roughly 14 characters/s of English speech
-
-
-def demo_reference() -> tuple[np.ndarray, int]:
-    """A 3 s voiced synthetic signal, used as the reference when a Base model is given no --voice."""
-    t = np.arange(3 * SAMPLE_RATE) / SAMPLE_RATE
-    f0 = 140 + 20 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
-    wave = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.6 + 0.4 * np.sin(2 * np.pi * 2.5 * t) ** 2)
-    return (0.25 * wave / np.abs(wave).max()).astype(np.float32), SAMPLE_RATE
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -110,13 +100,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     except ImportError as exc:
         missing = exc
         p = sub.add_parser("serve", help="run the streaming server (needs the [server] extra)")
-        p.set_defaults(func=lambda _a: _missing_extra("server", missing))
+        # whatever options follow, the answer is the install hint, not argparse's "unrecognized arguments"
+        p.set_defaults(func=lambda _a: _missing_extra("server", missing), accepts_any_arguments=True)
         return
     add_serve_command(sub)
 
 
 def _missing_extra(extra: str, exc: Exception) -> int:
-    print(f"error: {exc}. Install it with: pip install 'qwen3tts-agent[{extra}]'", file=sys.stderr)
+    print(f'error: {exc}. Install it with: pip install "qwen3tts-agent[{extra}]"', file=sys.stderr)
     return 2
 
 
@@ -126,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_say(sub)
     _add_serve(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from qwen3tts_agent import Engine
-from qwen3tts_agent.cli import demo_reference
 from qwen3tts_agent.models.loading import load_official_model
+from qwen3tts_agent.reference import demo_reference
 
 REF_TEXT = "This is what my voice sounds like."
 TEXT = "Hello there, how can I help you today? The weather is lovely."

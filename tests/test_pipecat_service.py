@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import random
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -42,6 +44,7 @@ from qwen3tts_agent.errors import (
     UnsupportedLanguageError,
 )
 from qwen3tts_agent.pipecat import Qwen3TTSService, UtteranceReport
+from qwen3tts_agent.reference import warmup_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_FRAME = 1920  # 80 ms at 24 kHz
@@ -59,9 +62,7 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def voice(engine: Engine) -> VoicePrompt:
-    t = np.arange(2 * SAMPLE_RATE) / SAMPLE_RATE
-    ref = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
-    return engine.create_voice((ref, SAMPLE_RATE), "A reference voice.", x_vector_only=True)
+    return engine.create_voice(warmup_reference(), "A reference voice.", x_vector_only=True)
 
 
 def fixed(frames: int, seed: int = 1) -> SamplingParams:
@@ -225,6 +226,60 @@ async def test_interruption_stops_audio_and_engine(
         type(f) for f in down[cut:] if isinstance(f, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame))
     ]
     assert playback[0] is TTSStartedFrame and playback[-1] is TTSStoppedFrame
+
+
+@pytest.mark.parametrize(("mode", "seed"), [(TOKEN, 1), (SENTENCE, 2)])
+async def test_randomized_barge_ins_never_leak_audio_of_an_interrupted_turn(
+    engine: Engine, voice: VoicePrompt, mode: TextAggregationMode, seed: int
+) -> None:
+    """500 turns per mode, each cut short at a random moment: before its stream opens, before its first
+    audio, mid-audio, or after it ended. No audio frame of a turn may follow the InterruptionFrame that
+    interrupted it (the first one after the turn's audio context appeared downstream).
+
+    A turn is told apart by its audio context: an InterruptionFrame is a system frame and may overtake the
+    data frames sent just before it, which Pipecat then treats as the start of the next turn.
+    """
+    turns = 500
+    rng = random.Random(seed)
+    # One frame per chunk, so every frame the engine makes is an audio frame the pipeline could leak.
+    tts, reports = make_tts(engine, voice, frames=1000, mode=mode, chunk_schedule=(1,))
+    frames: list[Frame] = []
+    for turn in range(turns):
+        if rng.random() < 0.5:
+            frames.append(TTSSpeakFrame(f"Turn {turn} speaks. Turn {turn} goes on."))
+        else:  # an LLM reply streaming in, cut at a random point
+            deltas = [f"Turn {turn} ", "says ", "hello. ", f"Turn {turn} ", "adds more."]
+            frames.append(LLMFullResponseStartFrame())
+            for delta in deltas[: rng.randint(1, len(deltas))]:
+                frames += [LLMTextFrame(delta), SleepFrame(rng.choice([0.0, 0.005]))]
+        frames += [SleepFrame(rng.choice([0.0, 0.01, 0.05, 0.1, 0.15])), InterruptionFrame()]
+    frames.append(SleepFrame(0.3))
+    before = engine.stats()
+    down, _ = await run_test(tts, frames_to_send=frames)
+
+    assert sum(isinstance(f, InterruptionFrame) for f in down) == turns
+    interrupted: set[str] = set()  # audio contexts an InterruptionFrame has passed since they appeared
+    seen: set[str] = set()
+    audio_of: collections.Counter[str] = collections.Counter()
+    for frame in down:
+        if isinstance(frame, InterruptionFrame):
+            interrupted |= seen
+        context = getattr(frame, "context_id", None)
+        if context is None:
+            continue
+        seen.add(context)
+        if isinstance(frame, TTSAudioRawFrame):
+            assert context not in interrupted, f"audio of context {context} after its InterruptionFrame"
+            audio_of[context] += 1
+    # Every stream that made audio was reported, and the randomness reached every case: turns cut before
+    # any audio, and turns cut mid-speech.
+    assert set(audio_of) <= {r.context_id for r in reports}
+    assert turns / 10 < len(audio_of) < turns - turns / 10
+    await asyncio.sleep(0.2)
+    after = engine.stats()
+    assert after.active_streams == 0 and after.queued_streams == 0
+    # The engine stopped stepping every interrupted stream: it made no frame that no stream reports.
+    assert after.frames_generated - before.frames_generated == sum(r.result.frames for r in reports)
 
 
 async def test_two_services_share_one_engine(engine: Engine, voice: VoicePrompt) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -9,12 +10,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection
 from starlette.types import Receive, Scope, Send
 
 from ..errors import Qwen3TTSAgentError
+from .admission import Admission
 from .audio import PcmEncoder, streaming_wav_header
 from .config import ServerConfig
 from .protocol import (
@@ -25,6 +29,7 @@ from .protocol import (
     VoiceCreateRequest,
     decode_json,
     from_engine_error,
+    require_text,
     validate_body,
 )
 from .session import StreamSession
@@ -44,19 +49,29 @@ def error_response(err: ApiError) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     elif err.status == 503:
         headers["Retry-After"] = "1"
+    elif err.code == "request_timeout":
+        headers["Connection"] = "close"  # the rest of a body that came too slowly is not worth waiting for
     return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing (413) anything over `limit` bytes before reading it all into memory."""
+async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON, refusing (413) anything over `limit` bytes before reading it all into memory,
+    and (408) a body that trickles in slower than `timeout_s` allows."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
+
+    async def receive_all() -> None:
+        async for piece in request.stream():
+            body.extend(piece)
+            if len(body) > limit:
+                raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
+
+    try:
+        await asyncio.wait_for(receive_all(), timeout_s)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+        raise ApiError("request_timeout", f"request body not received within {timeout_s:g}s") from None
     return decode_json(bytes(body))
 
 
@@ -74,7 +89,7 @@ class _SpeechResponse(StreamingResponse):
             self._cleanup()
 
 
-async def _speech(state: ServerState, req: SpeechRequest) -> Response:
+async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) -> Response:
     fmt = req.response_format.lower()
     if fmt not in _AUDIO_TYPES:
         raise ApiError(
@@ -86,8 +101,7 @@ async def _speech(state: ServerState, req: SpeechRequest) -> Response:
         raise ApiError("unsupported_parameter", "speed must be 1.0: this server cannot change speed", param="speed")
     if req.stream_format not in (None, "audio"):
         raise ApiError("unsupported_parameter", "only stream_format 'audio' is supported", param="stream_format")
-    if not req.input.strip():
-        raise ApiError("invalid_text", "input is empty", param="input")
+    require_text(req.input, "input")
     if len(req.input) > state.max_text_chars:
         raise ApiError("text_too_long", f"input exceeds {state.max_text_chars} characters", param="input")
     settings = state.settings(
@@ -98,7 +112,6 @@ async def _speech(state: ServerState, req: SpeechRequest) -> Response:
         audio_format=AudioFormat(),
         chunk_schedule=None,
     )
-    admission = state.require_ready()
     started = time.perf_counter()
     queue_wait = await admission.acquire()
     state.metrics.queue_wait.observe(queue_wait)
@@ -173,38 +186,60 @@ def create_app(
     app = FastAPI(title="qwen3tts-agent", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
+    # async, so FastAPI runs them on the event loop rather than in its thread pool
+    async def authorized(connection: HTTPConnection) -> None:
+        state.authorize(connection.headers.get("authorization"))
+
+    async def ready() -> Admission:
+        return state.require_ready()
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
         state.count_error(err)
         return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        # routing's own answers (unknown path, wrong method) in the same shape as every other error
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        err = ApiError(code, str(exc.detail))
+        state.count_error(err)
+        return JSONResponse(err.to_openai(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the client's fault: logged with its traceback (by the server), answered in OpenAI's shape
+        err = ApiError("internal_error", f"internal server error ({type(exc).__name__})")
+        state.count_error(err)
+        response = error_response(err)
+        response.headers["Connection"] = "close"  # the server drops the connection after an unhandled error
+        return response
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def readiness() -> JSONResponse:
         if state.ready:
             return JSONResponse({"status": "ready", "model": config.model_name})
         status = "failed" if state.failure else "starting"
         return JSONResponse({"status": status, "error": state.failure}, status_code=503)
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/audio/speech")
-    async def speech(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        state.require_ready()
-        req = validate_body(SpeechRequest, await read_json(request, config.max_message_bytes))
-        return await _speech(state, req)
+    # auth first (401 says nothing about the server's state), then readiness (503)
+    api = APIRouter(dependencies=[Depends(authorized)])
 
-    @app.get("/v1/voices")
-    async def list_voices(request: Request) -> dict[str, Any]:
-        state.authorize(request.headers.get("authorization"))
-        state.require_ready()
+    @api.post("/v1/audio/speech")
+    async def speech(request: Request, admission: Admission = Depends(ready)) -> Response:  # noqa: B008
+        body = await read_json(request, config.max_message_bytes, config.http_read_timeout_s)
+        return await _speech(state, admission, validate_body(SpeechRequest, body))
+
+    @api.get("/v1/voices", dependencies=[Depends(ready)])
+    async def list_voices() -> dict[str, Any]:
         return {
             "voices": [record.to_json() for record in state.voices.records()],
             "speakers": list(state.engine.speakers),
@@ -212,11 +247,10 @@ def create_app(
             "openai_voices": sorted(OPENAI_VOICES),
         }
 
-    @app.post("/v1/voices", status_code=201)
+    @api.post("/v1/voices", status_code=201, dependencies=[Depends(ready)])
     async def create_voice(request: Request) -> JSONResponse:
-        state.authorize(request.headers.get("authorization"))
-        state.require_ready()
-        req = validate_body(VoiceCreateRequest, await read_json(request, config.max_upload_bytes))
+        body = await read_json(request, config.max_upload_bytes, config.http_read_timeout_s)
+        req = validate_body(VoiceCreateRequest, body)
         if not req.x_vector_only and not (req.ref_text or "").strip():
             raise ApiError("invalid_message", "ref_text is required unless x_vector_only is true", param="ref_text")
         try:
@@ -236,32 +270,31 @@ def create_app(
             raise from_engine_error(exc) from exc
         return JSONResponse(record.to_json(), status_code=201 if created else 200)
 
-    @app.get("/v1/voices/{key}")
-    async def get_voice(key: str, request: Request) -> dict[str, Any]:
-        state.authorize(request.headers.get("authorization"))
-        state.require_ready()
+    @api.get("/v1/voices/{key}", dependencies=[Depends(ready)])
+    async def get_voice(key: str) -> dict[str, Any]:
         found = state.voices.resolve(key)
         if found is None:
             raise ApiError("not_found", f"no registered voice {key!r}")
         return found[0].to_json()
 
-    @app.delete("/v1/voices/{key}", status_code=204)
-    async def delete_voice(key: str, request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        state.require_ready()
+    @api.delete("/v1/voices/{key}", status_code=204, dependencies=[Depends(ready)])
+    async def delete_voice(key: str) -> Response:
         if await state.voices.delete(key) is None:
             raise ApiError("not_found", f"no registered voice {key!r}")
         return Response(status_code=204)
 
+    app.include_router(api)
+
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:
         try:
-            state.authorize(ws.headers.get("authorization"))
-            state.require_ready()
+            # the same gates as the HTTP routes, called directly: a WebSocket dependency that raises cannot
+            # answer with a status code, and refusing the upgrade with one is what clients can act on
+            await authorized(ws)
+            await ready()
             if state.sessions >= config.max_sessions:
                 raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly")
         except ApiError as err:
-            # refuse the upgrade with a real HTTP status, so clients see 401/503 rather than a bare close
             state.count_error(err)
             await ws.send_denial_response(error_response(err))
             return

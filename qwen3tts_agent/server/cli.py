@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn  # imported here so a missing [server] extra shows when the CLI registers `serve`
 
 from .config import ServerConfig, default_voices_dir
+from .connections import connection_protocols
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,6 +38,14 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="largest WebSocket message / JSON body")
     p.add_argument("--max-frames", type=int, default=d.max_frames, help="cap on utterance length, 80 ms frames")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, help="seconds before an idle session closes")
+    p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
+                   help="seconds a client may leave audio unread before its utterances are cancelled and it is closed")
+    p.add_argument("--send-buffer", type=int, default=d.send_buffer_bytes,
+                   help="bytes queued per connection before sends wait for the client")
+    p.add_argument("--http-read-timeout", type=float, default=d.http_read_timeout_s,
+                   help="seconds for an HTTP request's head, and then its body, to arrive")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="seconds an idle keep-alive HTTP connection stays open")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
@@ -65,6 +74,10 @@ def run_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_frames=args.max_frames,
         idle_timeout_s=args.idle_timeout,
+        send_timeout_s=args.send_timeout,
+        send_buffer_bytes=args.send_buffer,
+        http_read_timeout_s=args.http_read_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         warmup=not args.no_warmup,
     )
     try:
@@ -82,13 +95,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
     """The uvicorn settings the server relies on, shared by the CLI and the tests."""
+    http_protocol, ws_protocol = connection_protocols(config)
     options: dict[str, object] = dict(
         host=config.host,
         port=config.port,
         # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
         # the app answers with a readable error. Both close with 1009.
         ws_max_size=2 * config.max_message_bytes,
-        ws="websockets-sansio",
+        http=http_protocol,  # httptools and websockets-sansio, with read, send and close deadlines
+        ws=ws_protocol,
+        timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=5,
     )
     options.update(overrides)

@@ -49,6 +49,13 @@ class ServerConfig:
         max_pending_utterances: Flushed utterances one session may queue behind the one playing.
         max_frames: Ceiling on `max_frames` a client may ask for (80 ms each).
         idle_timeout_s: A session with nothing to say and no message for this long is closed.
+        send_timeout_s: A client that leaves more than `send_buffer_bytes` unread for this long is too slow:
+            its utterances are cancelled (freeing their slots) and the connection closed (WebSocket: 4010).
+        send_buffer_bytes: Bytes queued per connection in the server before a send waits for the client
+            (the transport's write-buffer high-water mark; the kernel's socket buffer comes on top).
+        http_read_timeout_s: An HTTP request's head, and then its body, must each arrive within this long;
+            a connection that sends a partial head (or nothing) and falls silent is closed.
+        keep_alive_timeout_s: An idle keep-alive HTTP connection is closed after this long.
         warmup: Run `engine.warmup()` before reporting ready.
     """
 
@@ -71,6 +78,10 @@ class ServerConfig:
     max_pending_utterances: int = 8
     max_frames: int = 2047
     idle_timeout_s: float = 60.0
+    send_timeout_s: float = 10.0
+    send_buffer_bytes: int = 256 * 1024
+    http_read_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
     warmup: bool = True
 
     def validate(self) -> None:
@@ -89,6 +100,10 @@ class ServerConfig:
             "max_pending_utterances": self.max_pending_utterances,
             "max_frames": self.max_frames,
             "idle_timeout_s": self.idle_timeout_s,
+            "send_timeout_s": self.send_timeout_s,
+            "send_buffer_bytes": self.send_buffer_bytes,
+            "http_read_timeout_s": self.http_read_timeout_s,
+            "keep_alive_timeout_s": self.keep_alive_timeout_s,
         }
         if self.max_active_streams is not None:
             positive["max_active_streams"] = self.max_active_streams

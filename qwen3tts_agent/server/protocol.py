@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine.text import validate_text
 from ..engine.types import SamplingParams
 from ..errors import (
     EngineClosedError,
@@ -21,6 +23,7 @@ from ..errors import (
 
 # One table so a WebSocket error and an HTTP response for the same failure agree; the WebSocket error
 # message carries the status too, so clients (the LiveKit plugin) map both transports the same way.
+# Every code the server can send is here (tests check it against docs/server.md).
 ERROR_STATUS: dict[str, int] = {
     "invalid_json": 400,
     "invalid_message": 400,
@@ -38,7 +41,10 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_reference_audio": 400,
     "unauthorized": 401,
     "not_found": 404,
+    "method_not_allowed": 405,
     "idle_timeout": 408,
+    "request_timeout": 408,
+    "send_timeout": 408,
     "conflict": 409,
     "message_too_large": 413,
     "engine_error": 500,
@@ -46,6 +52,16 @@ ERROR_STATUS: dict[str, int] = {
     "busy": 503,
     "not_ready": 503,
 }
+
+# WebSocket close codes the server uses (4000-4999 is the application's range; 4xxx mirrors HTTP 4xx).
+CLOSE_NORMAL = 1000  # after the client's `close`, once everything queued was spoken
+CLOSE_TOO_LARGE = 1009  # a message over max_message_bytes
+CLOSE_INTERNAL = 1011  # a server fault; an `internal_error` message precedes it
+CLOSE_IDLE = 4008  # idle_timeout: nothing queued and no message for idle_timeout_s
+CLOSE_SEND_TIMEOUT = 4010  # send_timeout: the client left our audio unread for send_timeout_s
+
+# Far deeper than any message of this protocol (3 levels), far shallower than what recursion can survive.
+MAX_JSON_DEPTH = 32
 
 # OpenAI's voice names: requests naming one of these get the default voice, so stock clients work as they are.
 OPENAI_VOICES = frozenset(
@@ -206,11 +222,81 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode_json(raw: str | bytes) -> Any:
+# A JSON string (escapes included) or one bracket; brackets inside strings are thus skipped whole.
+_STR_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_BYTES_OR_BRACKET = re.compile(_STR_OR_BRACKET.pattern.encode())
+
+
+def json_depth_exceeds(raw: str | bytes, limit: int) -> bool:
+    """True when `raw` nests arrays/objects deeper than `limit`, found without parsing it.
+
+    Counting brackets is enough for almost every message (fewer brackets than the limit cannot nest
+    deeper); only then are strings skipped by one regex scan, so the cost stays linear and in C.
+    """
+    if isinstance(raw, str):
+        opening, scan, bracket = raw.count("[") + raw.count("{"), _STR_OR_BRACKET, ("[", "{")
+    else:
+        opening, scan, bracket = raw.count(b"[") + raw.count(b"{"), _BYTES_OR_BRACKET, (b"[", b"{")
+    if opening <= limit:
+        return False
+    depth = 0
+    for match in scan.finditer(raw):  # type: ignore[arg-type]
+        token = match.group()
+        if len(token) != 1:
+            continue  # a string
+        if token in bracket:
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _check_strings(data: Any) -> None:
+    """Every string of a message, keys included, must pass the engine's text rule (valid Unicode).
+
+    JSON escapes such as `\\ud800` decode to lone surrogates, which no tokenizer can encode: refused here,
+    with the field's path, so one rule holds for the Python API, the WebSocket and HTTP.
+    """
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            _validate(value, path or "message")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _validate(key, f"a key of {path or 'the message'}")
+                pending.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _validate(text: str, what: str) -> None:
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        validate_text(text, what=what)
+    except InvalidTextError as exc:
+        raise ApiError("invalid_text", str(exc), param=what) from None
+
+
+def decode_json(raw: str | bytes) -> Any:
+    """Parse a message or body: bounded nesting, valid JSON, valid Unicode in every string."""
+    if json_depth_exceeds(raw, MAX_JSON_DEPTH):
+        raise ApiError("invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError("invalid_json", f"not valid JSON: {exc}") from None
+    _check_strings(data)
+    return data
+
+
+def require_text(text: str, what: str) -> str:
+    """The text of a whole utterance: valid Unicode and something to say (not empty or whitespace-only)."""
+    _validate(text, what)
+    if not text.strip():
+        raise ApiError("invalid_text", f"{what} is empty or whitespace-only: there is nothing to say", param=what)
+    return text
 
 
 _M = TypeVar("_M", bound=BaseModel)

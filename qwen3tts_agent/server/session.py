@@ -4,6 +4,10 @@ Two tasks share the socket. The reader parses client messages and feeds text int
 (straight into its engine stream once one is open); the runner takes utterances in order, waits for a
 synthesis slot, streams the audio, and ends each with a `done` message carrying its metrics. A cancel or a
 disconnect stops the engine streams explicitly, so no GPU work outlives the client that asked for it.
+
+Every send has a deadline (`send_timeout_s`): a client that stops reading fills the connection's bounded
+send buffer, the next send times out, and the session cancels its utterances (freeing their slots) and
+closes with 4010, so a client that does not read can never hold synthesis capacity.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDiscon
 from ..errors import Qwen3TTSAgentError, StreamCancelledError
 from .audio import BYTES_PER_SAMPLE, PcmEncoder
 from .protocol import (
+    CLOSE_IDLE,
+    CLOSE_INTERNAL,
+    CLOSE_NORMAL,
+    CLOSE_SEND_TIMEOUT,
+    CLOSE_TOO_LARGE,
     ApiError,
     CancelMessage,
     ClientMessage,
@@ -37,18 +46,19 @@ from .state import ServerState, SynthesisSettings
 
 logger = logging.getLogger(__name__)
 
-CLOSE_NORMAL = 1000
-CLOSE_TOO_LARGE = 1009
-CLOSE_INTERNAL = 1011
-CLOSE_IDLE = 4008  # application range; mirrors HTTP 408
-
-
 # what starlette/uvicorn raise when sending on a socket that is closing or closed
 _SEND_ERRORS = (WebSocketDisconnect, WebSocketDisconnected, OSError, RuntimeError)
+
+# After a send timed out, how long the `send_timeout` error may still wait for room before the close goes out.
+_LAST_WORDS_S = 1.0
 
 
 class _Gone(Exception):
     """The peer is gone (or we closed): stop sending and wind the session down."""
+
+
+class _Stalled(_Gone):
+    """A send waited `send_timeout_s` for a client that does not read (the session is being closed)."""
 
 
 @dataclass(eq=False)
@@ -56,11 +66,18 @@ class _Utterance:
     uid: int
     parts: list[str] = field(default_factory=list)  # text received before the engine stream opened
     chars: int = 0
+    has_words: bool = False  # some text that is not whitespace: only then is there anything to say
     flushed: bool = False
     cancelled: bool = False
     ended: bool = False  # audio finished (eos, max_frames, error): later text until the flush is dropped
+    counted: bool = False  # in the utterances metric, by its finish reason (each utterance exactly once)
     stream: Any = None
     waiter: asyncio.Future[float] | None = None  # its wait for a synthesis slot, so a cancel can end it
+    speakable: asyncio.Event = field(default_factory=asyncio.Event)  # words, a flush or a cancel arrived
+
+    def update(self) -> None:
+        if self.has_words or self.flushed or self.cancelled:
+            self.speakable.set()
 
 
 class StreamSession:
@@ -78,7 +95,11 @@ class StreamSession:
         self._closing = False
         self._gone = False
         self._send_lock = asyncio.Lock()
-        self._last_activity = time.monotonic()
+        self._mid_audio = False  # an audio header went out and its binary frame has not (yet)
+        self._stalled = False  # a send timed out: the client does not read
+        self._stall_closer: asyncio.Task[None] | None = None
+        self._end_reason = "disconnect"  # why utterances still open at teardown are cancelled (metrics)
+        self._last_activity = time.monotonic()  # the last message either way
         self._runner: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
@@ -93,6 +114,9 @@ class StreamSession:
                 await self._on_message(message)
         except (_Gone, WebSocketDisconnect, WebSocketDisconnected):
             pass
+        except Exception:
+            logger.exception("session %s failed", self.session_id)
+            await self._fatal(ApiError("internal_error", "internal server error"), CLOSE_INTERNAL)
         finally:
             watchdog.cancel()
             await self._teardown()
@@ -183,6 +207,9 @@ class StreamSession:
             self._queue.append(utt)
             self._wakeup.set()
         utt.chars += len(text)
+        if not utt.has_words and not text.isspace():
+            utt.has_words = True
+            utt.update()
         if utt.ended or utt.cancelled:
             return
         if utt.stream is None:
@@ -198,23 +225,30 @@ class StreamSession:
         if utt is None:
             return
         utt.flushed = True
+        utt.update()
         if utt.stream is not None and not utt.ended and not utt.cancelled:
             utt.stream.close_input()
 
     async def _on_cancel(self) -> None:
         """Stop everything this session has in flight; each utterance still gets its `done` (finish_reason cancelled)."""
+        pending = await self._cancel_all()
+        if pending:
+            self._metrics.cancels.labels("client").inc()
+        self._wakeup.set()
+
+    async def _cancel_all(self) -> list[_Utterance]:
+        """Mark every queued utterance cancelled and stop their engine streams; returns them."""
         self._input = None
         pending = list(self._queue)
         for utt in pending:
             utt.cancelled = True
+            utt.update()
             if utt.waiter is not None:
                 utt.waiter.cancel()
         for utt in pending:
             if utt.stream is not None and not utt.stream.done:
                 await utt.stream.acancel()
-        if pending:
-            self._metrics.cancels.labels("client").inc()
-        self._wakeup.set()
+        return pending
 
     # ------------------------------------------------------------------ outgoing
     async def _run_utterances(self) -> None:
@@ -239,9 +273,13 @@ class StreamSession:
     async def _speak(self, utt: _Utterance) -> None:
         assert self._settings is not None
         settings = self._settings
+        await utt.speakable.wait()  # no slot is taken for an utterance that has nothing to say yet
         started = time.perf_counter()
         if utt.cancelled:
             await self._send_done(utt, "cancelled")
+            return
+        if not utt.has_words:
+            await self._fail(utt, ApiError("invalid_text", f"utterance {utt.uid} is empty or whitespace-only"))
             return
         admission = self._state.require_ready()
         utt.waiter = asyncio.ensure_future(admission.acquire())
@@ -311,6 +349,7 @@ class StreamSession:
         except StreamCancelledError:
             pass
         except _Gone:
+            stream.cancel()  # at once, before the slot is released: nobody will hear the rest
             raise
         except Exception as exc:
             logger.exception("session %s utterance %d failed", self.session_id, utt.uid)
@@ -337,7 +376,7 @@ class StreamSession:
             await self._fail(utt, error)
             return
         result = stream.result
-        self._metrics.utterances.labels("ws", result.finish_reason).inc()
+        self._count(utt, str(result.finish_reason))
         self._metrics.audio_seconds.inc(result.audio_seconds)
         self._metrics.real_time_factor.observe(result.real_time_factor)
         if first_audio is not None:
@@ -359,13 +398,18 @@ class StreamSession:
 
     async def _fail(self, utt: _Utterance, err: ApiError) -> None:
         utt.ended = True
-        self._metrics.utterances.labels("ws", "error").inc()
+        self._count(utt, "error")
         await self._send_error(err, utt.uid)
         await self._send_done(utt, "error")
 
+    def _count(self, utt: _Utterance, finish_reason: str) -> None:
+        if not utt.counted:
+            utt.counted = True
+            self._metrics.utterances.labels("ws", finish_reason).inc()
+
     async def _send_done(self, utt: _Utterance, finish_reason: str, metrics: dict[str, Any] | None = None) -> None:
         if finish_reason == "cancelled":
-            self._metrics.utterances.labels("ws", "cancelled").inc()
+            self._count(utt, "cancelled")
         await self._send_json(
             {"type": "done", "utterance_id": utt.uid, "finish_reason": finish_reason, "metrics": metrics}
         )
@@ -385,16 +429,53 @@ class StreamSession:
         # header and payload go out back to back, so a client can always pair them
         async with self._send_lock:
             await self._raw_send({"type": "websocket.send", "text": json.dumps(header, separators=(",", ":"))})
+            self._mid_audio = True
             await self._raw_send({"type": "websocket.send", "bytes": data})
+            self._mid_audio = False
 
     async def _raw_send(self, message: dict[str, Any]) -> None:
         if self._gone:
             raise _Gone
         try:
-            await self._ws.send(message)
+            # The send waits only while the connection's send buffer is full, i.e. the client is not reading.
+            await asyncio.wait_for(self._ws.send(message), self._config.send_timeout_s)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            self._gone = self._stalled = True
+            self._close_stalled()  # its close ends the reader, whose teardown waits for it
+            raise _Stalled from None
         except _SEND_ERRORS:
             self._gone = True
             raise _Gone from None
+        self._last_activity = time.monotonic()
+
+    def _close_stalled(self) -> asyncio.Task[None]:
+        """Start (once) closing a client that stopped reading; a task, so the teardown cannot cut it short."""
+        if self._stall_closer is None:
+            self._stall_closer = asyncio.create_task(self._close_stalled_now(), name=f"stalled-{self.session_id}")
+        return self._stall_closer
+
+    async def _close_stalled_now(self) -> None:
+        """Free the client's slots first, then say why (if it can still hear it) and close with 4010."""
+        self._end_reason = "send_timeout"
+        for utt in await self._cancel_all():
+            self._count(utt, "cancelled")
+            if utt.stream is not None:
+                self._metrics.cancels.labels("send_timeout").inc()
+        timeout = self._config.send_timeout_s
+        err = ApiError("send_timeout", f"the client read nothing for {timeout:g}s; its utterances were cancelled")
+        self._state.count_error(err)
+        body = json.dumps({"type": "error", "code": err.code, "status": err.status, "message": err.message})
+        with contextlib.suppress(asyncio.TimeoutError, *_SEND_ERRORS):
+            # Never between an audio header and its payload; and only if room appears soon.
+            await asyncio.wait_for(self._send_lock.acquire(), _LAST_WORDS_S)
+            try:
+                if not self._mid_audio:
+                    await asyncio.wait_for(self._ws.send({"type": "websocket.send", "text": body}), _LAST_WORDS_S)
+            finally:
+                self._send_lock.release()
+        with contextlib.suppress(asyncio.TimeoutError, *_SEND_ERRORS):
+            # BoundedWebSocketProtocol queues the close without waiting; the bound covers any other server.
+            await asyncio.wait_for(self._ws.close(CLOSE_SEND_TIMEOUT, "send_timeout"), _LAST_WORDS_S)
 
     async def _close(self, code: int, reason: str) -> None:
         async with self._send_lock:
@@ -412,27 +493,47 @@ class StreamSession:
         await self._close(code, err.message[:100])
 
     async def _idle_watchdog(self) -> None:
+        """Close a session with no message either way for idle_timeout_s, unless it is waiting for a slot.
+
+        That includes an unflushed utterance waiting for more text: its engine stream holds a slot, and a
+        client that went silent must not keep it.
+        """
         timeout = self._config.idle_timeout_s
         while True:
             idle_for = time.monotonic() - self._last_activity
-            if not self._queue and idle_for >= timeout:
+            if self._waiting_for_slot():
+                await asyncio.sleep(min(timeout, 1.0))
+                continue
+            if idle_for >= timeout:
+                self._end_reason = "idle_timeout"
                 await self._fatal(ApiError("idle_timeout", f"no message for {timeout:g}s; closing"), CLOSE_IDLE)
                 return
-            await asyncio.sleep(max(timeout - idle_for, 0.05) if not self._queue else timeout)
+            await asyncio.sleep(max(timeout - idle_for, 0.05))
+
+    def _waiting_for_slot(self) -> bool:
+        return any(utt.waiter is not None and not utt.waiter.done() for utt in self._queue)
 
     async def _teardown(self) -> None:
-        """The client is gone or the session closed: cancel engine work still running, then the runner."""
+        """The client is gone or the session closed: cancel engine work still running, then the runner.
+
+        Utterances that never got their `done` are counted as cancelled, so the metrics add up to every
+        utterance opened.
+        """
         self._gone = True
+        if self._stalled:
+            await self._close_stalled()
         interrupted = [u for u in self._queue if u.stream is not None and not u.stream.done]
         for utt in self._queue:
             utt.cancelled = True
+            utt.update()
         for utt in interrupted:
             try:
                 await utt.stream.acancel()
             except Exception:
                 logger.exception("cancelling utterance %d of session %s", utt.uid, self.session_id)
-        if interrupted:
-            self._metrics.cancels.labels("disconnect").inc()
+            self._metrics.cancels.labels(self._end_reason).inc()
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
+        for utt in self._queue:
+            self._count(utt, "cancelled")

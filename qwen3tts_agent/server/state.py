@@ -11,10 +11,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..engine.types import SamplingParams, Voice
+from ..reference import demo_reference
 from .admission import Admission
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import DEFAULT_VOICE_ALIASES, ApiError, AudioFormat, SamplingOptions, from_engine_error
+from .protocol import (
+    DEFAULT_VOICE_ALIASES,
+    ApiError,
+    AudioFormat,
+    SamplingOptions,
+    from_engine_error,
+)
 from .voices import VoiceRegistry
 
 if TYPE_CHECKING:
@@ -109,8 +116,6 @@ class ServerState:
 
     def _demo_voice(self) -> Voice:
         """Base models need a reference to speak at all; a synthetic one makes a bare request work out of the box."""
-        from ..cli import demo_reference
-
         return Voice(prompt=self.engine.create_voice(demo_reference(), x_vector_only=True))
 
     @property
@@ -215,11 +220,16 @@ class ServerState:
                 f"unsupported language {language!r}; this model knows: {', '.join(self.engine.languages)}",
                 param="language",
             )
+        params = sampling.to_params(self.config.max_frames)
+        try:
+            self.engine.validate_sampling(params)  # every bound now, not as a failure of each utterance later
+        except Exception as exc:
+            raise from_engine_error(exc) from exc
         return SynthesisSettings(
             voice=resolved,
             voice_label=label,
             language=lang,
-            sampling=sampling.to_params(self.config.max_frames),
+            sampling=params,
             audio_format=audio_format,
             chunk_schedule=tuple(chunk_schedule) if chunk_schedule else None,
         )
