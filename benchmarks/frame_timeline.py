@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import log  # noqa: E402
 from qwen3tts_agent import Engine, SamplingParams  # noqa: E402
-from qwen3tts_agent.engine import frame_kernels, kernels  # noqa: E402
+from qwen3tts_agent.kernels import decode_layer, frame, gemv  # noqa: E402
 from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
 
 
@@ -81,12 +81,12 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=256)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                        help="override an integer constant of engine.kernels or engine.frame_kernels (an A/B switch)")
+                        help="override an integer constant of kernels.decode_layer, kernels.gemv or kernels.frame (an A/B switch)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     for name, value in overrides.items():
-        module = next((m for m in (kernels, frame_kernels) if isinstance(getattr(m, name, None), int)), None)
+        module = next((m for m in (decode_layer, gemv, frame) if isinstance(getattr(m, name, None), int)), None)
         if module is None:
             parser.error(f"{name} is not an integer constant of the kernel modules")
         setattr(module, name, int(value))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
-from qwen3tts_agent.engine import kernels  # noqa: E402
+from qwen3tts_agent.kernels import common as kernel_common  # noqa: E402
 from qwen3tts_agent.models.loading import load_official_model  # noqa: E402
 
 TEXT = (
@@ -107,10 +107,10 @@ def main() -> None:
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
-                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+                        help="no programmatic dependent launch for the Triton kernels (kernels.common.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--out", type=Path, default=Path("gpu_parity.json"))
     args = parser.parse_args()
-    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
+    kernel_common.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     # TF32 would make the fp32 check compare two rounding paths; bf16 runs are unaffected
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
