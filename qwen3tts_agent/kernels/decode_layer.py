@@ -32,6 +32,7 @@ the first eager call: call `decode_layer` once before capturing a graph.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -88,6 +89,7 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, common.next_power_of_2(head_dim))
 
 
+@functools.cache  # `decode_layer` asks on every call
 def supports(head_dim: int, num_heads: int, kv_heads: int, dtype: torch.dtype, max_rows: int) -> common.Support:
     """Whether `decode_layer` takes a stack with these attention shapes, for up to `max_rows` rows a call."""
     dtype_ok = common.dtype_support(dtype)

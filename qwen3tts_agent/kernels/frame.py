@@ -3,11 +3,12 @@
 Between its decoder layers a frame needs, per row: sample a code, look up its embedding (the next predictor
 input), sum the frame's 16 code embeddings, add the text track's next embedding, choose the talker's cache
 write position, and record the new codebook-0 token in the slot's state. As PyTorch ops that is about a
-hundred small kernels a frame, a few µs each even inside a CUDA graph; here it is one launch per sampling (16
-a frame), each started early under programmatic dependent launch like the layer kernels (`decode_layer.py`).
+hundred small kernels a frame, each paying its launch latency even inside a CUDA graph; here it is one launch
+per sampling (16 a frame), each started early under programmatic dependent launch like the layer kernels
+(`decode_layer.py`).
 
-`engine.runner.ModelRunner` keeps the same state in PyTorch ops where these kernels do not run; the engine
-tests under `tests/kernels/` check that both give the same codes.
+`engine.runner.ModelRunner` keeps the same state in PyTorch ops where these kernels do not run;
+tests/kernels/test_frame_kernels.py checks that both leave the same state.
 """
 
 from __future__ import annotations
