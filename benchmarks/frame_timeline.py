@@ -86,10 +86,11 @@ def main() -> None:
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     for name, value in overrides.items():
-        module = next((m for m in (decode_layer, gemv, frame) if isinstance(getattr(m, name, None), int)), None)
-        if module is None:
+        modules = [m for m in (decode_layer, gemv, frame) if isinstance(getattr(m, name, None), int)]
+        if not modules:
             parser.error(f"{name} is not an integer constant of the kernel modules")
-        setattr(module, name, int(value))
+        for module in modules:  # a constant imported by name into another module is set there too
+            setattr(module, name, int(value))
     official = load_official_model(args.model, device="cuda", dtype=torch.bfloat16)
     engine = Engine(official, max_streams=max(1, args.batch), max_seq_len=max(512, args.kv_len))
     runner = engine._runner

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import common as kernel_common
-from ..kernels import decode_layer, gemv, sampling, snake
+from ..kernels import decode_layer, gemv, snake
 from ..kernels import frame as frame_kernels
+from ..kernels import sampling as sampling_kernels
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
@@ -189,7 +190,7 @@ class ModelRunner:
             heads, kv_heads = first.q_size // first.head_dim, first.kv_size // first.head_dim
             return [
                 decode_layer.supports(first.head_dim, heads, kv_heads, dt, self.max_slots),
-                gemv.supports(dt), sampling.supports(dt), frame_kernels.supports(dt),
+                gemv.supports(dt), sampling_kernels.supports(dt), frame_kernels.supports(dt),
             ]
 
         checks = {

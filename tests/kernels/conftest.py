@@ -44,6 +44,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if compiled:
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             raise pytest.UsageError(f"-m gpu runs the compiled kernels: unset TRITON_INTERPRET; {_MODE_MESSAGE}")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("-m gpu runs the compiled kernels on a CUDA GPU, and torch sees none here")
         return
     os.environ["TRITON_INTERPRET"] = "1"
     _fast_xor_sum()
