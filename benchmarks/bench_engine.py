@@ -26,8 +26,8 @@ import torch
 
 from benchmarks.bench_kernels import time_stack
 from qwen3tts_agent import Engine, EngineStats, SamplingParams, Voice
-from qwen3tts_agent.engine import kernels
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
+from qwen3tts_agent.kernels import common as kernel_common
 from qwen3tts_agent.reference import demo_reference
 
 BENCH_TEXT = (
@@ -318,7 +318,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "frames_per_stream": args.frames, "chunk_schedule": args.chunk_schedule, "overlap_codec": args.overlap_codec, "text_chars": len(BENCH_TEXT), "reference_s": 3.0, "weights_gib": weights_gib,
-        "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernels.programmatic_launch(torch.device(args.device)),
+        "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernel_common.programmatic_launch(torch.device(args.device)),
     }
     reference = demo_reference()
 
@@ -439,12 +439,12 @@ def main() -> None:
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                         help="PyTorch layers instead of the Triton decode kernels")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
-                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+                        help="no programmatic dependent launch for the Triton kernels (kernels.common.PROGRAMMATIC_LAUNCH)")
     parser.add_argument("--smoke", action="store_true", help="a short GPU run that exercises every path")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a CPU smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_engine.json"))
     args = parser.parse_args()
-    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
+    kernel_common.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.smoke:

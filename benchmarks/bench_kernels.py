@@ -120,9 +120,9 @@ def torch_layer(layer: Any, x: torch.Tensor, step: Step, ck: torch.Tensor, cv: t
 
 
 def triton_layer(layer: Any, x: torch.Tensor, step: Step, ck: torch.Tensor, cv: torch.Tensor) -> torch.Tensor:
-    from qwen3tts_agent.engine import kernels
+    from qwen3tts_agent.kernels.decode_layer import decode_layer
 
-    return kernels.decode_layer(layer, x, step.cos, step.sin, ck, cv, step.write_pos, step.read_len, masked=step.mask is not None)
+    return decode_layer(layer, x, step.cos, step.sin, ck, cv, step.write_pos, step.read_len, masked=step.mask is not None)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -235,7 +235,7 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--no-fp32-timing", action="store_true", help="time bf16 only (fp32 is still checked)")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
-                        help="no programmatic dependent launch for the Triton kernels (kernels.PROGRAMMATIC_LAUNCH)")
+                        help="no programmatic dependent launch for the Triton kernels (kernels.common.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
 
     if args.smoke:  # before anything imports triton: the kernels are decorated for the interpreter then
@@ -247,11 +247,11 @@ def main() -> int:
         device, models, batches, replays = torch.device("cuda"), [MODELS[m] for m in args.models], tuple(args.batches), args.replays
     import triton
 
-    from qwen3tts_agent.engine import kernels
+    from qwen3tts_agent.kernels import common as kernel_common
 
-    if not kernels.available(device):
+    if not kernel_common.available(device):
         parser.error(f"the Triton kernels are not available on {device}")
-    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False
+    kernel_common.PROGRAMMATIC_LAUNCH = None if args.pdl else False
     torch.manual_seed(0)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",

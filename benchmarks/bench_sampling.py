@@ -4,7 +4,7 @@ Modes: "top-k" (the official defaults: top-k 50, top-p 1.0), "top-p" (the same w
 A frame samples 15 predictor codes (bf16 logits over 2048 codes, top-k cap 64) and one talker token (3072
 codes, with the repetition penalty, so fp32 scores). One graph holds 15 launches one after another; the
 median replay over 15 is one sampling's latency. This times `fused_sample` alone; inside a frame the
-warp count matters more (`frame_kernels.TALKER_CODE0_WARPS`, measured with benchmarks/frame_timeline.py).
+warp count matters more (`kernels.frame.TALKER_CODE0_WARPS`, measured with benchmarks/frame_timeline.py).
 
     python -m benchmarks.bench_sampling --out sampling.json
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_kernels import log, time_stack
-from qwen3tts_agent.engine import sampling_kernel
+from qwen3tts_agent.kernels import sampling as sampling_kernel
 
 LAUNCHES = 15
 

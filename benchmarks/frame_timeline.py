@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.bench_engine import log
 from qwen3tts_agent import Engine, SamplingParams
-from qwen3tts_agent.engine import frame_kernels, kernels
+from qwen3tts_agent.kernels import decode_layer, frame, gemv
 from qwen3tts_agent.models.loading import load_official_model
 
 
@@ -78,15 +78,16 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=256)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                        help="override an integer constant of engine.kernels or engine.frame_kernels (an A/B switch)")
+                        help="override an integer constant of kernels.decode_layer, kernels.gemv or kernels.frame (an A/B switch)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
     for name, value in overrides.items():
-        module = next((m for m in (kernels, frame_kernels) if isinstance(getattr(m, name, None), int)), None)
-        if module is None:
+        modules = [m for m in (decode_layer, gemv, frame) if isinstance(getattr(m, name, None), int)]
+        if not modules:
             parser.error(f"{name} is not an integer constant of the kernel modules")
-        setattr(module, name, int(value))
+        for module in modules:  # a constant imported by name into another module is set there too
+            setattr(module, name, int(value))
     official = load_official_model(args.model, device="cuda", dtype=torch.bfloat16)
     engine = Engine(official, max_streams=max(1, args.batch), max_seq_len=max(512, args.kv_len))
     runner = engine._runner

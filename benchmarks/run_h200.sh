@@ -2,10 +2,12 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, sweep, kernels, timeline (where a 0.6B frame's time goes), loop (where a live stream's frame
-# period goes), parity, parity-1.7b (fp32),
-# engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b, soak (10,000 mixed utterances through the server at load:
-# flat RSS, CUDA memory back to its value, metrics that add up; SOAK_UTTERANCES, SOAK_CONCURRENCY).
+# Stages: smoke, sweep, kernels, kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against
+# PyTorch), timeline (where a 0.6B frame's time goes), loop (where a live stream's frame period goes), parity,
+# parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
+# and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b, soak (10,000
+# mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
+# SOAK_UTTERANCES, SOAK_CONCURRENCY).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -43,6 +45,13 @@ for stage in "$@"; do
     parity) official -m benchmarks.gpu_parity --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     parity-1.7b) official -m benchmarks.gpu_parity --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
                    --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
+    # fp32 with TF32 off (gpu_parity sets it): head_dim 24/40, GQA 5:1/3:1, predictor as wide as the talker;
+    # widehead's predictor (head_dim 272) runs on the PyTorch layers beside a Triton talker
+    parity-odd) official -m benchmarks.gpu_parity --frames 40 --dtypes float32 --max-seq-len 256 $flags $pdl \
+                  --model synthetic:odd,synthetic:odd-customvoice,synthetic:odd-voicedesign,synthetic:widehead \
+                  --out "$out/parity-odd.json" 2>&1 | tee "$out/parity-odd.log" ;;
+    kernel-tests) PYTHONPATH=/tmp/official:. python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels \
+                    2>&1 | tee "$out/kernel-tests.log" ;;
     engine-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
     engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \

@@ -1,12 +1,13 @@
-"""Sweep the tile shapes of the decode GEMV (`kernels.gemv`) over the products of a Qwen3-TTS frame, on CUDA.
+"""Sweep the tile shapes of the decode GEMV (`kernels.gemv.gemv`) over the products of a Qwen3-TTS frame, on CUDA.
 
 A decode product moves megabytes of weights for a few rows; how fast that goes depends on how many bytes each
 program keeps in flight and how many programs fill the GPU, which no formula predicts well. For every product
 shape of the 0.6B and 1.7B models (with its fused norm, SwiGLU or residual) and a few batch sizes this times
 each candidate `GemvTiles` and the PyTorch expression it replaces, each as a CUDA graph of back-to-back
 launches over distinct weight copies (so the weights stream from HBM, as in a frame, and launch gaps count),
-and prints the best tiles as the `GEMV_TILES` table of `kernels.py`. Compilation runs in worker processes first
-(Triton caches it on disk), then the timing runs in this one.
+and prints the best tiles as this GPU's entry of `qwen3tts_agent/kernels/configs/gemv_tiles.json` (keyed by
+the name torch reports for the GPU). Compilation runs in worker processes first (Triton caches it on disk),
+then the timing runs in this one.
 
     python -m benchmarks.sweep_gemv --out gemv-sweep.json
 """
@@ -28,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels import time_stack
-from qwen3tts_agent.engine import kernels
-from qwen3tts_agent.engine.kernels import GemvTiles
+from qwen3tts_agent.kernels import common as kernel_common
+from qwen3tts_agent.kernels import gemv
+from qwen3tts_agent.kernels.gemv import GemvTiles
 
 # (name, n_out, k_dim, flavour): the products of one decode layer, and the predictor's heads
 SHAPES = [
@@ -84,9 +86,9 @@ def run_triton(ops: dict[str, Any], tiles: GemvTiles, copies: int | None = None)
     flavour = ops["flavour"]
     for w, out in list(zip(ops["weights"], ops["outs"], strict=True))[:copies]:
         if flavour == "residual":
-            kernels.gemv(ops["x"], w, out, residual=ops["res"], tiles=tiles)
+            gemv.gemv(ops["x"], w, out, residual=ops["res"], tiles=tiles)
         else:
-            kernels.gemv(ops["x"], w, out, norm=ops["g"], eps=1e-6, gated=flavour == "gated", tiles=tiles)
+            gemv.gemv(ops["x"], w, out, norm=ops["g"], eps=1e-6, gated=flavour == "gated", tiles=tiles)
 
 
 def run_torch(ops: dict[str, Any]) -> None:
@@ -126,7 +128,7 @@ def _compile(job: Job) -> list[GemvTiles]:
 
 
 def _set_pdl(on: bool | None) -> None:
-    kernels.PROGRAMMATIC_LAUNCH = on
+    kernel_common.PROGRAMMATIC_LAUNCH = on
 
 
 def precompile(jobs: list[Job], workers: int) -> set[tuple[int, int, str, int, GemvTiles]]:
@@ -135,7 +137,7 @@ def precompile(jobs: list[Job], workers: int) -> set[tuple[int, int, str, int, G
     total, done, failed = sum(len(j[-1]) for j in jobs), 0, set()
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_set_pdl, initargs=(kernels.PROGRAMMATIC_LAUNCH,)
+        workers, mp_context=context, initializer=_set_pdl, initargs=(kernel_common.PROGRAMMATIC_LAUNCH,)
     ) as pool:
         for job, bad in zip(jobs, pool.map(_compile, jobs), strict=True):
             done += len(job[-1])
@@ -153,13 +155,13 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=12, help="compile processes")
     parser.add_argument("--budget-s", type=float, default=420, help="stop timing new cases after this long")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
-                        help="no programmatic dependent launch (kernels.PROGRAMMATIC_LAUNCH)")
+                        help="no programmatic dependent launch (kernels.common.PROGRAMMATIC_LAUNCH)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
     import triton
 
-    kernels.PROGRAMMATIC_LAUNCH = None if args.pdl else False  # and in the compile workers (`_set_pdl`)
+    kernel_common.PROGRAMMATIC_LAUNCH = None if args.pdl else False  # and in the compile workers (`_set_pdl`)
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     jobs = [(n, k, f, b, candidates(b)) for _, n, k, f in shapes for b in args.batches]
     log(f"{len(jobs)} cases, {sum(len(j[-1]) for j in jobs)} kernels to compile with {args.workers} workers")
@@ -187,10 +189,10 @@ def main() -> int:
         timed.sort(key=lambda t: t["us"])
         best = timed[0]
         default_us = next(
-            (t["us"] for t in timed if GemvTiles(**{k: v for k, v in t.items() if k != "us"}) == kernels.DEFAULT_TILES),
+            (t["us"] for t in timed if GemvTiles(**{k: v for k, v in t.items() if k != "us"}) == gemv.DEFAULT_TILES),
             None,
         )
-        current = kernels.gemv_tiles(flavour, n_out, k_dim, rows)
+        current = gemv.gemv_tiles(flavour, n_out, k_dim, rows, report["device"])
         current_us = next((t["us"] for t in timed if GemvTiles(**{k: v for k, v in t.items() if k != "us"}) == current), None)
         case = {
             "shape": name, "n_out": n_out, "k_dim": k_dim, "flavour": flavour, "rows": rows,
@@ -207,11 +209,12 @@ def main() -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print("\nGEMV_TILES = {")
-    for c in report["cases"]:
-        b = ", ".join(f"{k}={v}" for k, v in c["best"].items() if k != "us")
-        print(f"    (\"{c['flavour']}\", {c['n_out']}, {c['k_dim']}, {c['rows']}): GemvTiles({b}),")
-    print("}")
+    table = {
+        gemv.tile_key(c["flavour"], c["n_out"], c["k_dim"], c["rows"]): {k: v for k, v in c["best"].items() if k != "us"}
+        for c in report["cases"]
+    }
+    print('\nthis GPU\'s entry under "devices" in qwen3tts_agent/kernels/configs/gemv_tiles.json:')
+    print(json.dumps({report["device"]: table}, indent=2))
     log(f"wrote {args.out}")
     return 0
 

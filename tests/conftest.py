@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the rule that keeps tests/kernels in a process of its own."""
 
 from __future__ import annotations
 
@@ -6,6 +6,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave tests/kernels out of a run that does not name it: it runs in a process of its own (see
+    tests/kernels/conftest.py), which tests/test_kernel_suite.py starts."""
+    if collection_path != KERNEL_TESTS:
+        return None
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == KERNEL_TESTS or KERNEL_TESTS in path.parents:
+            return None
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,7 @@ def decoder() -> torch.nn.Module:
 
 
 def tiny_decoder() -> torch.nn.Module:
-    """The official decoder with tiny widths and the seeded weights of `_init` (also used by test_snake_kernel)."""
+    """The official decoder with tiny widths and the seeded weights of `_init` (also used by tests/kernels/test_snake_kernel.py)."""
     import_qwen_tts()
     from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2DecoderConfig,

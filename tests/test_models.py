@@ -144,6 +144,37 @@ def test_checkpoint_has_the_official_layout(synthetic_dir: Callable[[str], Path]
 
 
 @pytest.mark.parametrize(
+    ("spec", "talker_heads", "predictor_heads", "projection"),
+    [
+        # (head_dim, query heads, key-value heads): widths that are not powers of two, GQA 5:1 and 3:1, a
+        # predictor as wide as the talker; and one predictor head wider than the Triton kernels take
+        ("synthetic:odd", (24, 5, 1), (40, 3, 1), torch.nn.Identity),
+        ("synthetic:odd-customvoice", (24, 5, 1), (40, 3, 1), torch.nn.Identity),
+        ("synthetic:odd-voicedesign", (24, 5, 1), (40, 3, 1), torch.nn.Identity),
+        ("synthetic:widehead", (16, 4, 2), (272, 2, 1), torch.nn.Linear),
+    ],
+)
+def test_shape_specs_have_their_odd_shapes(
+    spec: str, talker_heads: tuple[int, int, int], predictor_heads: tuple[int, int, int], projection: type
+) -> None:
+    import_qwen_tts()
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
+
+    model_config, _ = synthetic_configs(spec)
+    with torch.device("meta"):
+        model = Qwen3TTSForConditionalGeneration(Qwen3TTSConfig(**model_config))
+    for layer, (head_dim, heads, kv_heads) in (
+        (model.talker.model.layers[0].self_attn, talker_heads),
+        (model.talker.code_predictor.model.layers[0].self_attn, predictor_heads),
+    ):
+        assert (layer.head_dim, layer.q_proj.out_features // layer.head_dim, layer.k_proj.out_features // layer.head_dim) == (
+            head_dim, heads, kv_heads,
+        )
+    assert isinstance(model.talker.code_predictor.small_to_mtp_projection, projection)
+    assert model_config["dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
     ("spec", "total", "layers", "predictor", "speaker_encoder", "projection"),
     [
         ("synthetic:0.6b", 914.6, 440.5, 141.6, 8.9, torch.nn.Identity),

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import snake as snake_kernel
 from .host import upload
-from .snake_kernel import FusedSnakeBeta
 
 
 class _History:
@@ -124,9 +124,11 @@ class StreamingCodecDecoder:
             if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
             and module.conv.stride[0] == 1 and module.conv.groups == 1
         }
-        # the audio-rate activations, fused where Triton runs (the largest elementwise work of a decode)
-        self._snakes = {
-            module: FusedSnakeBeta(module) for module in decoder.decoder.modules() if type(module).__name__ == "SnakeBeta"
+        # the audio-rate activations (the largest elementwise work of a decode) as one kernel each where the
+        # kernel takes the module (`kernels.snake`; it runs the module itself where Triton does not run)
+        self._snakes: dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {
+            module: snake_kernel.FusedSnakeBeta(module) if snake_kernel.supports(module) else module
+            for module in snake_kernel.snake_modules(decoder.decoder)
         }
 
     def _zeros(self, *shape: int) -> torch.Tensor:

@@ -44,7 +44,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 
 
 class FusedDecoderLayer:
-    """Weights of one official decoder layer, rearranged for the decode path."""
+    """Weights of one official decoder layer, rearranged for the decode path (and, as they are, the
+    `kernels.decode_layer.DecoderLayerWeights` the Triton decode step reads)."""
 
     def __init__(self, layer: OfficialModule) -> None:
         attn, mlp = layer.self_attn, layer.mlp

@@ -4,9 +4,11 @@ One frame (80 ms of audio) is: the 15-step code predictor on the talker's last h
 token, the sum of the 16 codebook embeddings plus the next text-track embedding, one talker step, and the
 sampling of the next codebook-0 token. `frame_step` does all of it for rows 0..b-1 of the slot tables with
 fixed shapes and no host synchronisation, so the CUDA path can capture it as one graph per (batch, KV-length)
-bucket while the CPU path simply calls it. Where Triton runs (a GPU), the layers run as `kernels.py` and each
-sampling with the frame's per-row state as one `frame_kernels.py` launch, so a graphed frame is Triton
-kernels only; elsewhere the same state moves through PyTorch ops.
+bucket while the CPU path simply calls it. Where Triton runs (a GPU), a decoder stack (talker or code
+predictor) whose shapes the kernels take runs its layers as `kernels.decode_layer`, its heads as
+`kernels.gemv` and each sampling with the frame's per-row state as one `kernels.frame` launch, so a graphed
+frame is Triton kernels only; other stacks, and every stack elsewhere, move the same state through PyTorch
+ops. The choice is made once, at load (`kernel_paths`), never per step.
 
 Every request owns one slot: its rows of the KV cache and of the per-slot state tensors below. Rows that are
 not active in a step still flow through the maths but write their KV to a scratch column and keep their state.
@@ -14,17 +16,24 @@ not active in a step still flow through the maths but write their KV to a scratc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import common as kernel_common
+from ..kernels import decode_layer, gemv, snake
+from ..kernels import frame as frame_kernels
+from ..kernels import sampling as sampling_kernels
 from ..models.compat import OfficialModule
-from . import frame_kernels, kernels
 from .host import upload
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
 
+logger = logging.getLogger(__name__)
+
+TRITON_PATH = "triton"  # a `kernel_paths` value: the stack runs as the Triton kernels
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
 # the rows of the per-slot tables (`ModelRunner.reset_slot`)
 _INT_FIELDS = ("pos", "n_sampled", "step_idx", "text_len", "top_k", "sub_top_k", "seed")
@@ -59,9 +68,9 @@ class ModelRunner:
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         fused_kernels: bool = True,
     ) -> None:
-        """`fused_kernels`: where Triton can run (a GPU), the layers of the talker's single-token steps and of
-        every predictor step run as the kernels of `kernels.py`, and every sampling as one kernel of
-        `sampling_kernel.py`; elsewhere, and for prompts, PyTorch."""
+        """`fused_kernels`: where Triton can run (a GPU), the talker's single-token steps and every predictor
+        step run as the Triton kernels (`qwen3tts_agent.kernels`), for each stack whose shapes they take;
+        elsewhere, for other stacks, and for prompts, PyTorch. `kernel_paths` says which."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -73,7 +82,6 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
         self.top_k_cap = top_k_cap
-        self.fused_kernels = fused_kernels and kernels.available(self.device)
         self.num_groups = cfg.num_code_groups
         self.vocab_size = cfg.vocab_size
         self.eos_id = cfg.codec_eos_token_id
@@ -99,6 +107,10 @@ class ModelRunner:
         p_inv_freq = predictor.model.rotary_emb.inv_freq.to(self.device)
         p_pos = torch.arange(PREDICTOR_POSITIONS, device=self.device)
         self.p_cos, self.p_sin = rope_tables(p_inv_freq, p_pos, self.dtype)
+        # per stack ("talker", "predictor", "codec"): "triton", or "pytorch (why not)"
+        self.kernel_paths = self._kernel_paths(model, fused_kernels)
+        self.fused_talker = self.kernel_paths["talker"] == TRITON_PATH
+        self.fused_predictor = self.kernel_paths["predictor"] == TRITON_PATH
 
         dev, dt = self.device, self.dtype
         kv_heads, head_dim = cfg.num_key_value_heads, self.layers[0].head_dim
@@ -155,7 +167,7 @@ class ModelRunner:
         self.suppress[self.eos_id] = False
         self._arange_slots = torch.arange(max_slots, device=dev)
         self._predictor_positions = torch.arange(PREDICTOR_POSITIONS, device=dev)
-        # the slot tensors `frame_kernels` reads and writes, by name
+        # the slot tensors `kernels.frame` reads and writes, by name
         self._frame_state = {
             **ints, **floats, **flags, "code0": self.code0, "p_input": self.p_input, "seen": self.seen,
             "text_embeds": self.text_embeds, "pad_embed": self.pad_embed, "active": self.active,
@@ -163,6 +175,49 @@ class ModelRunner:
             "embed_sum": self.embed_sum, "talker_input": self.talker_input, "write_pos": self.write_pos,
             "suppress": self.suppress, "codec_embedding": self.codec_embedding.weight,
         }
+
+    def _kernel_paths(self, model: torch.nn.Module, requested: bool) -> dict[str, str]:
+        """Which stacks run as the Triton kernels: "triton", or "pytorch (why not)" per stack.
+
+        A stack runs fused only if every kernel family it uses takes its shapes (`supports`), so no shape
+        ever fails a step: the rest stays on the PyTorch layers, which the CUDA graphs capture just the
+        same. Shapes the kernels refuse are worth a warning (that stack is slower); no GPU or
+        `fused_kernels=False` is not. The codec's SnakeBeta kernel does not follow `fused_kernels`.
+        """
+        dt = self.dtype
+
+        def stack(layers: list[FusedDecoderLayer]) -> list[kernel_common.Support]:
+            first = layers[0]
+            heads, kv_heads = first.q_size // first.head_dim, first.kv_size // first.head_dim
+            return [
+                decode_layer.supports(first.head_dim, heads, kv_heads, dt, self.max_slots),
+                gemv.supports(dt), sampling_kernels.supports(dt), frame_kernels.supports(dt),
+            ]
+
+        checks = {
+            "talker": stack(self.layers),
+            "predictor": stack(self.p_layers),
+            "codec": [snake.supports(m) for m in snake.snake_modules(model.speech_tokenizer.model.decoder.decoder)],
+        }
+        available = kernel_common.available(self.device)
+        paths, refused = {}, []
+        for name, supports in checks.items():
+            failed = next((s for s in supports if not s), None)
+            if not available:
+                paths[name] = f"pytorch (no Triton kernels on {self.device.type})"
+            elif not requested and name != "codec":
+                paths[name] = "pytorch (fused kernels off)"
+            elif failed is not None:
+                paths[name] = f"pytorch ({failed.reason})"
+                refused.append(f"{name}: {failed.reason}")
+            else:
+                paths[name] = TRITON_PATH
+        if refused:
+            logger.warning(
+                "The Triton kernels do not take this checkpoint's shapes (%s); those stacks run on the PyTorch "
+                "layers, still graphed but slower.", "; ".join(refused),
+            )
+        return paths
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:
@@ -214,13 +269,13 @@ class ModelRunner:
         """The talker's layers (before its final norm). The frame step's talker (one token per row, rows =
         slots 0..b-1, keys up to the written position: `mask` None) runs as the kernels when fused; prompts
         (many tokens, their own masks) stay on the PyTorch layers."""
-        fused = self.fused_kernels and mask is None
+        fused = self.fused_talker and mask is None
         if mask is None and not fused:
             mask = (torch.arange(read_len, device=self.device) <= write_pos.unsqueeze(-1)).unsqueeze(1)
         cos, sin = (self.cos, self.sin) if fused else (self.cos[write_pos], self.sin[write_pos])
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             if fused:
-                x = kernels.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
+                x = decode_layer.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
             else:
                 x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
         return x
@@ -231,9 +286,9 @@ class ModelRunner:
         t = x.shape[1]
         x = self._to_predictor_width(x)
         pos = self._predictor_positions[start : start + t].expand(b, t)
-        if self.fused_kernels:
+        if self.fused_predictor:
             for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
-                x = kernels.decode_layer(layer, x, self.p_cos, self.p_sin, ck, cv, pos, start + t, masked=False)
+                x = decode_layer.decode_layer(layer, x, self.p_cos, self.p_sin, ck, cv, pos, start + t, masked=False)
             return x[:, -1]
         cos, sin = self.p_cos[pos], self.p_sin[pos]
         rows = self._arange_slots[:b].unsqueeze(1)
@@ -247,18 +302,18 @@ class ModelRunner:
         one more GEMV (measured in docs/performance.md)."""
         proj = self.p_in_proj
         rows = x.reshape(-1, x.shape[-1])
-        if not isinstance(proj, torch.nn.Linear) or not self.fused_kernels or rows.shape[0] > kernels.GEMV_MAX_ROWS:
+        if not isinstance(proj, torch.nn.Linear) or not self.fused_predictor or rows.shape[0] > gemv.GEMV_MAX_ROWS:
             return proj(x)
         out = torch.empty(rows.shape[0], proj.out_features, device=x.device, dtype=x.dtype)
-        kernels.gemv(rows, proj.weight, out, bias=proj.bias)
+        gemv.gemv(rows, proj.weight, out, bias=proj.bias)
         return out.view(*x.shape[:-1], proj.out_features)
 
-    def _logits(self, x: torch.Tensor, norm: OfficialModule, head: torch.nn.Linear) -> torch.Tensor:
-        """head(norm(x)) for rows x [b, hidden], as one kernel when fused."""
-        if not self.fused_kernels or x.shape[0] > kernels.GEMV_MAX_ROWS:
+    def _logits(self, x: torch.Tensor, norm: OfficialModule, head: torch.nn.Linear, fused: bool) -> torch.Tensor:
+        """head(norm(x)) for rows x [b, hidden], as one kernel when `fused` (the stack's kernel path)."""
+        if not fused or x.shape[0] > gemv.GEMV_MAX_ROWS:
             return head(norm(x))
         logits = torch.empty(x.shape[0], head.weight.shape[0], device=x.device, dtype=x.dtype)
-        kernels.gemv(x, head.weight, logits, norm=norm.weight, eps=norm.variance_epsilon)
+        gemv.gemv(x, head.weight, logits, norm=norm.weight, eps=norm.variance_epsilon)
         return logits
 
     def _sample_code0(self, logits: torch.Tensor, slots: torch.Tensor, sampling: bool) -> torch.Tensor:
@@ -285,7 +340,7 @@ class ModelRunner:
         """Sample the next codebook-0 token of `slots` and, where `act`, record it and the talker's last hidden
         state as the slot's first predictor input. `hidden`: normed for prompts; the last layer's output for a
         frame, normed here. `frame` also advances the slots' positions and flags EOS."""
-        if self.fused_kernels:
+        if self.fused_talker:
             norm = dict(norm=self.norm.weight, eps=self.norm.variance_epsilon) if frame else {}
             frame_kernels.talker_code0(
                 logits, slots, act, hidden, self._frame_state, self.top_k_cap, eos_id=self.eos_id, frame=frame, **norm
@@ -307,7 +362,7 @@ class ModelRunner:
     def _record_code(self, logits: torch.Tensor, code: int, b: int, sampling: bool) -> None:
         """Sample code `code` (1..15) of the frame for slots [0, b); its embedding is the next predictor input
         and joins the frame's sum, which after the last code becomes the talker's input with the text track."""
-        if self.fused_kernels:
+        if self.fused_predictor:
             frame_kernels.predictor_code(
                 logits, code, self.p_embeddings[code - 1].weight, self._frame_state, self.top_k_cap, spare_pos=self.max_seq_len
             )
@@ -413,7 +468,8 @@ class ModelRunner:
         x = self.p_input[:b]
         for code in range(1, self.num_groups):
             hidden = self._predictor_forward(x, b, start=0 if code == 1 else code)
-            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1]), code, b, sampling)
+            logits = self._logits(hidden, self.p_norm, self.p_heads[code - 1], self.fused_predictor)
+            self._record_code(logits, code, b, sampling)
             x = self.p_step_input[:b].unsqueeze(1)
 
     def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
@@ -421,5 +477,5 @@ class ModelRunner:
         rows = self._arange_slots[:b]
         write_pos = self.write_pos[:b].unsqueeze(1)
         hidden = self._talker_forward(self.talker_input[:b].unsqueeze(1), rows.unsqueeze(1), write_pos, slice(0, b), kv_len, None)[:, 0]
-        logits = self._logits(hidden, self.norm, self.codec_head)
+        logits = self._logits(hidden, self.norm, self.codec_head, self.fused_talker)
         self._record_code0(logits, rows, self.active[:b], hidden, frame=True, sampling=sampling)

@@ -1,10 +1,9 @@
-"""The codec's SnakeBeta activation, x + 1/β · sin²(αx), as one Triton pass instead of five.
+"""The codec's SnakeBeta activation, x + 1/β · sin²(αx), as one Triton pass instead of five (`FusedSnakeBeta`).
 
 The official module runs five full-size elementwise kernels (x·α, sin, square, ·1/β, +x), two of them
-broadcasting [1, C, 1] against [B, C, T] on PyTorch's slow strided path. The decoder's elementwise kernels,
-mostly these, took 10 of the 20 ms of a 32-stream × 8-frame decode on an H200; with one pass per activation
-the decode took 15 ms (benchmarks/results/2026-11-30-h200/). Here one program per (row, time block) reads x
-once and writes once.
+broadcasting [1, C, 1] against [B, C, T] on PyTorch's slow strided path, and these activations are the
+largest elementwise work of an audio decode. Here one program per (row, time block) reads x once and
+writes once.
 
 Each intermediate is rounded to the model dtype where the module's kernels store it, and fp32 products are
 not contracted into FMAs, so the result equals the module's.
@@ -15,21 +14,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .kernels import _interpreting, _jit, _round, available
+from . import common
+from .common import jit, round_to
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-except ImportError:  # keeps the module importable without triton; available() reports False
-    triton = None
-
-__all__ = ["FusedSnakeBeta"]
+except ImportError:  # keeps the module importable without triton; common.available() reports False
+    pass
 
 BLOCK = 1024  # time steps per program
 
 
-@_jit
+def snake_modules(decoder: nn.Module) -> list[nn.Module]:
+    """The SnakeBeta modules of an official codec decoder (by class name: the class lives in qwen_tts)."""
+    return [module for module in decoder.modules() if type(module).__name__ == "SnakeBeta"]
+
+
+def supports(module: nn.Module) -> common.Support:
+    """Whether one official `SnakeBeta` module can run as the kernel: per-channel α and β in a tested dtype."""
+    alpha, beta = getattr(module, "alpha", None), getattr(module, "beta", None)
+    if not isinstance(alpha, torch.Tensor) or not isinstance(beta, torch.Tensor):
+        return common.unsupported(f"{type(module).__name__} has no alpha and beta parameters")
+    if alpha.dim() != 1 or alpha.shape != beta.shape:
+        return common.unsupported(f"SnakeBeta parameters of shape {tuple(alpha.shape)} not supported")
+    return common.dtype_support(alpha.dtype)
+
+
+@jit
 def _sin(x, LIBDEVICE: tl.constexpr):
     """sinf as PyTorch's CUDA kernel computes it (tl.sin may lower to the approximate instruction)."""
     if LIBDEVICE:
@@ -37,7 +50,7 @@ def _sin(x, LIBDEVICE: tl.constexpr):
     return tl.sin(x)
 
 
-@_jit
+@jit
 def _snake_kernel(
     x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, stride_b, stride_c,
     BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -49,14 +62,15 @@ def _snake_kernel(
     x = tl.load(x_ptr + b.to(tl.int64) * stride_b + c * stride_c + t, mask=ok, other=0.0)
     dt = x.dtype
     xf = x.to(tl.float32)
-    scaled = _round(xf * tl.load(alpha_ptr + c).to(tl.float32), dt)
-    sine = _round(_sin(scaled, LIBDEVICE), dt)
-    bump = _round(tl.load(inv_beta_ptr + c).to(tl.float32) * _round(sine * sine, dt), dt)
+    scaled = round_to(xf * tl.load(alpha_ptr + c).to(tl.float32), dt)
+    sine = round_to(_sin(scaled, LIBDEVICE), dt)
+    bump = round_to(tl.load(inv_beta_ptr + c).to(tl.float32) * round_to(sine * sine, dt), dt)
     tl.store(out_ptr + row.to(tl.int64) * length + t, (xf + bump).to(dt), mask=ok)
 
 
 class FusedSnakeBeta:
-    """A one-kernel stand-in for one official `SnakeBeta` module (its parameters read once, at construction)."""
+    """A one-kernel stand-in for one official `SnakeBeta` module `supports` takes (its parameters read once,
+    at construction)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -67,12 +81,12 @@ class FusedSnakeBeta:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, C, T] (time contiguous) -> a new contiguous tensor; the module itself where Triton cannot run."""
-        if not available(x.device) or x.dim() != 3 or x.stride(-1) != 1:
+        if not common.available(x.device) or x.dim() != 3 or x.stride(-1) != 1:
             return self.module(x)
         batch, channels, length = x.shape
         out = torch.empty(batch, channels, length, device=x.device, dtype=x.dtype)
         _snake_kernel[(batch * channels, triton.cdiv(length, BLOCK))](
             x, self.alpha, self.inv_beta, out, channels, length, x.stride(0), x.stride(1),
-            BLOCK=BLOCK, LIBDEVICE=not _interpreting(), enable_fp_fusion=False,
+            BLOCK=BLOCK, LIBDEVICE=not common.interpreting(), enable_fp_fusion=False,
         )
         return out

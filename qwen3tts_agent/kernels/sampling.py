@@ -1,7 +1,7 @@
-"""The logits processing, warping and draw of `sampling.sample` for one row, as Triton code (`_sample_row`).
+"""The logits processing, warping and draw of `engine.sampling.sample` for one row, as Triton code (`sample_row`).
 
-A frame's kernels (`frame_kernels.py`) sample with it inside their per-row bookkeeping; `fused_sample` runs
-it alone, one launch for a batch of rows, which is how the tests hold it against the PyTorch reference.
+A frame's kernels (`frame.py`) sample with it inside their per-row bookkeeping; `fused_sample` runs it alone,
+one launch for a batch of rows, which is how the tests hold it against the PyTorch reference.
 
 The PyTorch path materialises hashed noise for the whole vocabulary (`gumbel_noise`) and then runs argmax,
 topk, softmax and cumsum as separate kernels; with 16 samplings per frame that is a large share of a small
@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import _interpreting, _jit, available
+from . import common
+from .common import jit
 
 try:
-    import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-except ImportError:  # keeps the module importable without triton; available() reports False
-    triton = None
-
-__all__ = ["available", "fused_sample", "sampling_shapes", "sampling_warps"]
+except ImportError:  # keeps the module importable without triton; common.available() reports False
+    pass
 
 
-@_jit
+def supports(dtype: torch.dtype) -> common.Support:
+    """Any vocabulary and top-k cap; logits in a dtype the kernels are tested in."""
+    return common.dtype_support(dtype)
+
+
+@jit
 def _pcg_hash(x):
     """`sampling._pcg_hash` on uint32, where the multiplications wrap by themselves."""
     state = x * 747796405 + 2891336453
@@ -45,7 +48,7 @@ def _pcg_hash(x):
     return (word >> 22) ^ word
 
 
-@_jit
+@jit
 def _exp(x, LIBDEVICE: tl.constexpr):
     """expf as PyTorch's CUDA softmax uses it (tl.exp lowers to the approximate ex2); numpy's when interpreted."""
     if LIBDEVICE:
@@ -53,7 +56,7 @@ def _exp(x, LIBDEVICE: tl.constexpr):
     return tl.exp(x)
 
 
-@_jit
+@jit
 def _log(x, LIBDEVICE: tl.constexpr):
     """logf as torch.log uses it on a GPU; numpy's when interpreted (the interpreter has no libdevice)."""
     if LIBDEVICE:
@@ -61,7 +64,7 @@ def _log(x, LIBDEVICE: tl.constexpr):
     return tl.log(x)
 
 
-@_jit
+@jit
 def _draw(
     s, temperature, top_k, top_p, seed, counter,
     VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, KEY32: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -106,8 +109,8 @@ def _draw(
     return tl.sum(tl.where(rank == choice, token, 0), 0).to(tl.int64)
 
 
-@_jit
-def _sample_row(
+@jit
+def sample_row(
     scores_ptr, do_sample, temperature, top_k, top_p, seed, counter, seen_ptr, penalty, suppress_ptr, eos_id,
     eos_blocked, V: tl.constexpr, VP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PENALTY: tl.constexpr,
     SUPPRESS: tl.constexpr, EOS: tl.constexpr, KEY32: tl.constexpr, LIBDEVICE: tl.constexpr,
@@ -131,7 +134,7 @@ def _sample_row(
     return token
 
 
-@_jit
+@jit
 def _sample_kernel(
     scores_ptr, stride_scores, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, counter_ptr, out_ptr,
     seen_ptr, penalty_ptr, suppress_ptr, eos_blocked_ptr, stride_seen, eos_id, V: tl.constexpr, VP: tl.constexpr,
@@ -140,7 +143,7 @@ def _sample_kernel(
 ):
     """out[row] = the sampled (or argmax) token of scores[row] after the optional talker processors."""
     row = tl.program_id(0).to(tl.int64)
-    token = _sample_row(
+    token = sample_row(
         scores_ptr + row * stride_scores, tl.load(do_sample_ptr + row) != 0, tl.load(temperature_ptr + row),
         tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(seed_ptr + row), tl.load(counter_ptr + row),
         seen_ptr + row * stride_seen, tl.load(penalty_ptr + row) if PENALTY else 1.0, suppress_ptr, eos_id,
@@ -151,13 +154,13 @@ def _sample_kernel(
 
 def sampling_shapes(vocab: int, cap: int, bf16_logits: bool) -> dict[str, int | bool]:
     """The sampling constexprs for a vocabulary and top-k cap; `bf16_logits`: the scores are untouched bf16."""
-    k, vp = min(cap, vocab), triton.next_power_of_2(vocab)
-    return {"V": vocab, "VP": vp, "K": k, "KP": triton.next_power_of_2(k), "KEY32": bf16_logits and vp <= 1 << 16}
+    k, vp = min(cap, vocab), common.next_power_of_2(vocab)
+    return {"V": vocab, "VP": vp, "K": k, "KP": common.next_power_of_2(k), "KEY32": bf16_logits and vp <= 1 << 16}
 
 
 def sampling_warps(vocab: int) -> int:
     """`fused_sample`'s warps: about 16 sort keys per thread (the frame kernels set their own)."""
-    return max(1, min(8, triton.next_power_of_2(vocab) // 512))
+    return max(1, min(8, common.next_power_of_2(vocab) // 512))
 
 
 def fused_sample(
@@ -204,6 +207,6 @@ def fused_sample(
         PENALTY=seen is not None,
         SUPPRESS=suppress is not None,
         EOS=eos_blocked is not None,
-        LIBDEVICE=not _interpreting(),
+        LIBDEVICE=not common.interpreting(),
         num_warps=sampling_warps(vocab),
     )

@@ -3,36 +3,42 @@
 Between its decoder layers a frame needs, per row: sample a code, look up its embedding (the next predictor
 input), sum the frame's 16 code embeddings, add the text track's next embedding, choose the talker's cache
 write position, and record the new codebook-0 token in the slot's state. As PyTorch ops that is about a
-hundred small kernels a frame, a few µs each even inside a CUDA graph; here it is one launch per sampling (16
-a frame), each started early under programmatic dependent launch like the layer kernels (`kernels.py`).
+hundred small kernels a frame, each paying its launch latency even inside a CUDA graph; here it is one launch
+per sampling (16 a frame), each started early under programmatic dependent launch like the layer kernels
+(`decode_layer.py`).
 
-`ModelRunner` keeps the same state in PyTorch ops where Triton cannot run; `tests/test_kernels.py` checks that
-both give the same codes.
+`engine.runner.ModelRunner` keeps the same state in PyTorch ops where these kernels do not run;
+tests/kernels/test_frame_kernels.py checks that both leave the same state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import _interpreting, _jit, _pdl, _round, late_qkv_trigger
-from .sampling_kernel import _sample_row, sampling_shapes
+from . import common
+from .common import jit, round_to
+from .decode_layer import late_qkv_trigger
+from .sampling import sample_row, sampling_shapes
 
-# Warps per sampling program. In a graphed 0.6B frame on an H200 (benchmarks/frame_timeline.py) the talker's
-# sort of 4096 int64 keys took 45 µs on 8 warps and 26 µs on 16 (32 warps: a frame 10 µs shorter, within the
-# spread between machines), and 8 warps for the predictor's 2048 keys made the frame 60 µs shorter than 4
-# (16: the same as 8); alone, outside a frame, the warp count made little difference (bench_sampling.py).
+try:
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # keeps the module importable without triton; common.available() reports False
+    pass
+
+# Warps per sampling program, chosen from whole graphed frames (benchmarks/frame_timeline.py): the talker's
+# sort of 4096 int64 keys and the predictor's of 2048 int32 keys run on one SM each, and more warps
+# shorten them; alone, outside a frame, the warp count made little difference (benchmarks/bench_sampling.py).
 TALKER_CODE0_WARPS = 16
 PREDICTOR_CODE_WARPS = 8
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # keeps the module importable without triton; kernels.available() reports False
-    triton = None
+
+def supports(dtype: torch.dtype) -> common.Support:
+    """Any hidden width and vocabulary; a model dtype the kernels are tested in."""
+    return common.dtype_support(dtype)
 
 
-@_jit
+@jit
 def _predictor_code_kernel(
     logits_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, n_sampled_ptr,
     code0_ptr, codes_ptr, table_ptr, step_input_ptr, first_embed_ptr, sum_ptr,
@@ -64,7 +70,7 @@ def _predictor_code_kernel(
     if PDL and PREFETCH:
         gdc_launch_dependents()
         gdc_wait()
-    token = _sample_row(
+    token = sample_row(
         logits_ptr + row * stride_logits, do_sample, temperature, top_k, top_p, seed, counter,
         logits_ptr, 1.0, logits_ptr, -1, False, V, VP, K, KP, False, False, False, KEY32, LIBDEVICE,
     )
@@ -85,13 +91,13 @@ def _predictor_code_kernel(
         else:
             text = tl.load(pad_ptr + h, mask=h_ok, other=0.0)
         dt = talker_input_ptr.dtype.element_ty
-        tl.store(talker_input_ptr + row * H + h, (_round(total, dt) + text.to(tl.float32)).to(dt), mask=h_ok)
+        tl.store(talker_input_ptr + row * H + h, (round_to(total, dt) + text.to(tl.float32)).to(dt), mask=h_ok)
         tl.store(write_pos_ptr + row, write_pos)
     else:
         tl.store(sum_ptr + row * H + h, total, mask=h_ok)
 
 
-@_jit
+@jit
 def _talker_code0_kernel(
     logits_ptr, slots_ptr, act_ptr, hidden_ptr, norm_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
     seed_ptr, n_sampled_ptr, forbid_eos_ptr, penalty_ptr, seen_ptr, suppress_ptr, code0_ptr, first_input_ptr,
@@ -119,7 +125,7 @@ def _talker_code0_kernel(
     if PDL and PREFETCH:
         gdc_launch_dependents()
         gdc_wait()
-    token = _sample_row(
+    token = sample_row(
         logits_ptr + i * stride_logits, do_sample, temperature, top_k, top_p, seed, n_sampled * groups,
         seen_ptr + slot * stride_seen, penalty, suppress_ptr, eos_id, eos_blocked, V, VP, K, KP, True, True, True, False,
         LIBDEVICE,
@@ -140,7 +146,7 @@ def _talker_code0_kernel(
         if NORM:  # the official RMSNorm: x * rsqrt(mean(x²) + eps) in fp32, to the model dtype, times the gains
             xf = x.to(tl.float32)
             rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-            x = (tl.load(norm_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * _round(xf * rstd, dt)).to(dt)
+            x = (tl.load(norm_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * round_to(xf * rstd, dt)).to(dt)
         first = first_input_ptr + slot * stride_first + h
         tl.store(first, x, mask=h_ok)
         tl.store(first + H, tl.load(table_ptr + token * H + h, mask=h_ok, other=0.0), mask=h_ok)
@@ -165,7 +171,7 @@ def predictor_code(
     With few rows the scalars (sampling parameters, counters, positions) are loaded before the wait for
     the logits: they were set by the host or by kernels before this frame's last layer, and that layer's
     QKV product let the kernels after it start only once its own inputs were complete
-    (`kernels.late_qkv_trigger`).
+    (`decode_layer.late_qkv_trigger`).
     """
     b, vocab = logits.shape
     groups, hidden = state["frame_codes"].shape[1], table.shape[1]
@@ -179,9 +185,9 @@ def predictor_code(
         state["active"], state["pos"], state["write_pos"],
         logits.stride(0), state["frame_codes"].stride(0), p_input.stride(0), text.stride(0), text.shape[1], spare_pos,
         code, groups,
-        H=hidden, HP=triton.next_power_of_2(hidden), **sampling_shapes(vocab, cap, logits.dtype == torch.bfloat16),
-        FIRST=code == 1, LAST=code == groups - 1, LIBDEVICE=not _interpreting(), num_warps=PREDICTOR_CODE_WARPS,
-        PREFETCH=late_qkv_trigger(b, 2 if code == 1 else 1), **_pdl(logits.device),  # after the 2-token step
+        H=hidden, HP=common.next_power_of_2(hidden), **sampling_shapes(vocab, cap, logits.dtype == torch.bfloat16),
+        FIRST=code == 1, LAST=code == groups - 1, LIBDEVICE=not common.interpreting(), num_warps=PREDICTOR_CODE_WARPS,
+        PREFETCH=late_qkv_trigger(b, 2 if code == 1 else 1), **common.pdl_options(logits.device),  # after the 2-token step
     )
 
 
@@ -219,6 +225,6 @@ def talker_code0(
         state["finished"],
         logits.stride(0), hidden.stride(0), state["seen"].stride(0), state["p_input"].stride(0), state["finished"].stride(0), eos_id,
         state["frame_codes"].shape[1], eps,
-        H=h, HP=triton.next_power_of_2(h), **shapes, NORM=norm is not None, FRAME=frame, LIBDEVICE=not _interpreting(),
-        num_warps=TALKER_CODE0_WARPS, PREFETCH=frame and late_qkv_trigger(n), **_pdl(logits.device),
+        H=h, HP=common.next_power_of_2(h), **shapes, NORM=norm is not None, FRAME=frame, LIBDEVICE=not common.interpreting(),
+        num_warps=TALKER_CODE0_WARPS, PREFETCH=frame and late_qkv_trigger(n), **common.pdl_options(logits.device),
     )

@@ -1,0 +1,86 @@
+"""The Triton kernels compiled for an H100/H200 (sm_90) without a GPU: what their PTX must contain.
+
+These check code generation, not results (tests/kernels/ checks results, interpreted and on a GPU): where
+programmatic dependent launch puts its wait, and that the shapes the kernels take compile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from qwen3tts_agent.kernels import common, decode_layer, gemv
+
+ATTENTION_SIGNATURE = {
+    **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
+    **dict.fromkeys(("q_norm_ptr", "k_norm_ptr", "cache_k_ptr", "cache_v_ptr", "out_ptr"), "*bf16"),
+    "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32", "read_len": "i32", "keys_per_split": "i32",
+    "eps": "fp32", "scale": "fp32",
+    **dict.fromkeys(("stride_qkv", "stride_cos", "stride_sin", "stride_pos", "stride_slot", "stride_head",
+                     "stride_len", "stride_out"), "i32"),
+}
+
+
+def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool) -> list[str]:
+    """The kernel compiled for sm_90, as PTX lines; pointers and strides 16-byte aligned."""
+    assert not common.interpreting(), "this process compiles the kernels (tests/kernels runs interpreted)"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name.startswith("stride")}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"].splitlines()
+
+
+def _first(lines: list[str], text: str) -> int:
+    return next((i for i, line in enumerate(lines) if text in line), -1)
+
+
+def _attention_constants(head_dim: int, group: int, kv_heads: int, **flags: Any) -> dict[str, Any]:
+    return dict(
+        Q_SIZE=group * kv_heads * head_dim, KV_SIZE=kv_heads * head_dim, KV_HEADS=kv_heads, GROUP=group,
+        Q_ROWS=max(16, common.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_P=decode_layer.padded_head_dim(head_dim),
+        BLOCK_KEYS=decode_layer.BLOCK_KEYS, SPLITS=1, LIMIT_TO_POS=False, DOT_F32=False, PRECISION="tf32", PDL=True,
+        EARLY_KEYS=True, PREFETCH=True,
+    ) | flags
+
+
+@pytest.mark.parametrize("pdl,late", [(True, False), (False, False), (True, True)])
+def test_programmatic_launch_prefetches_weights_then_waits(pdl: bool, late: bool) -> None:
+    """With PDL on, the GEMV loads its weights, then waits for its inputs; it lets the next kernel start before
+    that wait, or after it with LATE_TRIGGER."""
+    pointers = dict.fromkeys(("x_ptr", "g_ptr", "w_ptr", "res_ptr", "out_ptr"), "*bf16")
+    signature = {**pointers, "part_ptr": "*fp32", "count_ptr": "*i32", "rows": "i32", "eps": "fp32",
+                 "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
+    constants = dict(N_OUT=1024, K_DIM=1024, NORM=True, GATED=False, RESIDUAL=False, BIAS=False, ROW_TILES=1, SPLITS=4,
+                     SPLIT_BLOCKS=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, DOT_F32=False, PRECISION="tf32", PDL=pdl,
+                     LATE_TRIGGER=late)
+    lines = _ptx(gemv._gemv_kernel, signature, constants, pdl)
+    wait, trigger = _first(lines, "griddepcontrol.wait"), _first(lines, "griddepcontrol.launch_dependents")
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    assert (wait >= 0) == pdl and (trigger >= 0) == pdl
+    if pdl:
+        assert len([i for i in loads if i < wait]) == 8, "the 32 x 256 bf16 weight tile: eight 16-byte loads per thread"
+        assert any(i > wait for i in loads), "the inputs are loaded after the wait"
+        assert (trigger > wait) == late
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_attention_prefetch_loads_before_its_wait(prefetch: bool) -> None:
+    """PREFETCH: the position, RoPE rows and first cache block are loaded before the wait for q/k/v."""
+    lines = _ptx(decode_layer._attention_kernel, ATTENTION_SIGNATURE, _attention_constants(128, 2, 8, PREFETCH=prefetch), True)
+    wait = _first(lines, "griddepcontrol.wait")
+    early = [i for i, line in enumerate(lines[:wait]) if "ld.global" in line]
+    assert wait >= 0 and bool(early) == prefetch
+    assert any("ld.global" in line for line in lines[wait:]), "q/k/v are loaded after the wait"
+
+
+@pytest.mark.parametrize(("head_dim", "group", "splits"), [(24, 5, 1), (40, 3, 4), (256, 1, 2)])
+def test_padded_and_wide_heads_compile(head_dim: int, group: int, splits: int) -> None:
+    """Head widths off the powers of two (padded and masked) and the widest `supports` takes compile for the
+    GPU, with the query rows of a group of 5 or 3 and with key splits."""
+    assert decode_layer.supports(head_dim, group, 1, torch.bfloat16, max_rows=256)
+    lines = _ptx(decode_layer._attention_kernel, ATTENTION_SIGNATURE, _attention_constants(head_dim, group, 1, SPLITS=splits), True)
+    assert _first(lines, ".entry _attention_kernel") >= 0 and _first(lines, "griddepcontrol.wait") >= 0
