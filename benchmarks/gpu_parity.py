@@ -92,7 +92,7 @@ def fused_activation_gap(engine: Engine) -> float:
     """Largest difference between the codec's fused SnakeBeta kernels and the official modules, on random input."""
     generator = torch.Generator(engine.device).manual_seed(0)
     gap = 0.0
-    for snake in engine._codec._snakes.values():
+    for snake in engine.core.audio.codec._snakes.values():
         x = torch.randn(3, snake.alpha.shape[0], 5000, device=engine.device, generator=generator).to(engine.dtype) * 3
         gap = max(gap, float((snake(x).float() - snake.module(x).float()).abs().max()))
     return gap

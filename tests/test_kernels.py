@@ -233,7 +233,7 @@ def _run_engine() -> dict[str, Any]:
             ending = engine.open_stream("Hello there.", voice=Voice(speaker=speaker), sampling=SamplingParams.greedy(max_frames=6))
             list(ending.chunks(timeout=600))
             runs["kernels" if fused else "torch"] = {
-                "used": engine._runner.fused_kernels, "codes": [s.result.codes for s in streams],
+                "used": engine.core.runner.fused_kernels, "codes": [s.result.codes for s in streams],
                 "ending": [ending.result.finish_reason, ending.result.codes],
             }
         finally:
