@@ -231,7 +231,6 @@ class EngineCore:
             started = self._timed("collect", started)
             progressed |= self._deliver()
             started = self._timed("deliver", started)
-            self._failures = 0
         except Exception as exc:  # noqa: BLE001 - the core must outlive any one bad step
             self._step_failed(exc)
             return
@@ -392,8 +391,6 @@ class EngineCore:
             return False
         rows = self.scheduler.runnable()
         if not rows:
-            if not self._in_flight:
-                self.scheduler.on_idle()
             return False
         runner = self.runner
         b = max(r.slot for r in rows) + 1  # type: ignore[type-var]
@@ -431,7 +428,9 @@ class EngineCore:
         if started is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        seq = self.scheduler.on_launched(rows, now)
+        seq = self.scheduler.on_launched(rows)
+        if started is None:  # no device events: the step ran synchronously, now is its end
+            self.scheduler.record_step_time(time.perf_counter() - now)
         self.pacer.launched(b, now)
         self.stats.steps += 1
         self._in_flight.append(_InFlightStep(seq, rows, host, started, done))
@@ -444,11 +443,14 @@ class EngineCore:
             step = self._in_flight.pop(0)
             gpu_seconds = None if step.started is None else step.started.elapsed_time(step.done) / 1000  # type: ignore[arg-type]
             self.pacer.completed(gpu_seconds)
+            if gpu_seconds is not None:
+                self.scheduler.record_step_time(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
             plans = self.scheduler.on_frame(step.rows, out[:, :-1], out[:, -1], now)
             self.scheduler.on_step_done(step.seq)
+            self._failures = 0  # a step came through: the device works
             if plans:
                 self.audio.decode(plans, self._codec_ready)
             progressed = True

@@ -29,7 +29,7 @@ RUNAWAY_BASE_FRAMES = 25
 RUNAWAY_FRAMES_PER_TOKEN = 8
 # A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
 URGENT_SLACK_S = 0.04
-# Refuse new streams while steps come slower than this fraction of real time...
+# Refuse new streams while a step takes longer than a frame's duration divided by this...
 MIN_STEP_RATE_OVER_REAL_TIME = 1.5
 # ... or while a chunk left later than its deadline within this many seconds.
 LATE_MEMORY_S = 2.0
@@ -144,7 +144,7 @@ class ChunkPlan:
 class SchedulerStats:
     late_chunks: int = 0
     underrun_seconds: float = 0.0
-    step_period_s: float = 0.0  # moving average of the time between batched steps
+    step_seconds: float = 0.0  # moving average of a batched step's time on the device
 
 
 class Scheduler:
@@ -182,7 +182,6 @@ class Scheduler:
         self._launched_steps = 0
         self._completed_steps = 0
         self.stats = SchedulerStats()
-        self._last_step_at: float | None = None
         self._last_late_at = float("-inf")
 
     # ----------------------------------------------------------------- requests
@@ -301,18 +300,18 @@ class Scheduler:
                 rows.append(request)
         return rows
 
-    def on_launched(self, rows: Sequence[RequestState], now: float) -> int:
+    def on_launched(self, rows: Sequence[RequestState]) -> int:
         """A step with these rows was queued on the device; returns its sequence number."""
         self._launched_steps += 1
         for request in rows:
             request.position += 1
             request.frames_launched += 1
-        if self._last_step_at is not None:
-            period = now - self._last_step_at
-            ema = self.stats.step_period_s
-            self.stats.step_period_s = period if ema == 0.0 else 0.9 * ema + 0.1 * period
-        self._last_step_at = now
         return self._launched_steps
+
+    def record_step_time(self, seconds: float) -> None:
+        """How long a step took on the device: steps near a frame's duration leave streams no headroom."""
+        ema = self.stats.step_seconds
+        self.stats.step_seconds = seconds if ema == 0.0 else 0.9 * ema + 0.1 * seconds
 
     def on_step_done(self, seq: int) -> None:
         """Step `seq` (and every step before it) has completed on the device: its slots are free to reuse."""
@@ -328,10 +327,6 @@ class Scheduler:
     def on_steps_abandoned(self) -> None:
         """Steps in flight were dropped (a failed step): nothing on the device holds a slot any more."""
         self.on_step_done(self._launched_steps)
-
-    def on_idle(self) -> None:
-        """No step is in flight or runnable: the next step's period starts afresh."""
-        self._last_step_at = None
 
     def on_frame(
         self, rows: Sequence[RequestState], codes: np.ndarray, finished: np.ndarray, now: float
@@ -396,7 +391,7 @@ class Scheduler:
 
     def overloaded(self, now: float) -> bool:
         """Whether new streams should be refused: steps are slow, or a chunk left late a moment ago."""
-        slow = self.stats.step_period_s > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
+        slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
         return slow or now - self._last_late_at < LATE_MEMORY_S
 
     def live(self) -> list[RequestState]:
