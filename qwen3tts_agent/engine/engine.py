@@ -218,7 +218,7 @@ class Engine(EngineFrontend):
             steps=base.steps + now.steps,
             late_chunks=scheduler.stats.late_chunks,
             underrun_seconds=scheduler.stats.underrun_seconds,
-            overloaded=scheduler.overloaded(time.perf_counter()),
+            overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
             healthy=self.healthy,
             restarts=self._restarts,
             kernel_paths=dict(getattr(core.runner, "kernel_paths", {})),

@@ -102,7 +102,7 @@ class EngineStats:
     steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
-    overloaded: bool = False  # new streams are refused (steps too slow, or a chunk left late a moment ago)
+    overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0
     kernel_paths: dict[str, str] = field(default_factory=dict)  # which decoder stacks run as Triton kernels

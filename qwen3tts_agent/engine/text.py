@@ -45,14 +45,21 @@ class TextTokenizer:
     """
 
     def __init__(self, tokenizer: object) -> None:
+        """`tokenizer`: the official processor's (fast) tokenizer, or its backend's JSON (`to_json`)."""
         from tokenizers import Tokenizer
 
-        backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-        self._plain = Tokenizer.from_str(backend.to_str())
+        self._json = tokenizer if isinstance(tokenizer, str) else tokenizer.backend_tokenizer.to_str()  # type: ignore[attr-defined]
+        self._plain = Tokenizer.from_str(self._json)
         self._plain.encode_special_tokens = True  # control-token strings are plain text
-        convert = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
-        self._im_start, self._im_end = int(convert("<|im_start|>")), int(convert("<|im_end|>"))
+        im_start, im_end = self._plain.token_to_id("<|im_start|>"), self._plain.token_to_id("<|im_end|>")
+        if im_start is None or im_end is None:
+            raise ValueError("not a Qwen chat tokenizer: <|im_start|> / <|im_end|> are missing")
+        self._im_start, self._im_end = im_start, im_end
         self._newline = self._plain.encode("\n", add_special_tokens=False).ids
+
+    def to_json(self) -> str:
+        """The tokenizer as JSON, to rebuild it in another process (an engine client)."""
+        return self._json
 
     def encode_plain(self, text: str) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
         """Ids, pre-token index and character span of every token of `text`, control-token strings as text."""
