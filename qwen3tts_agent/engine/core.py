@@ -137,7 +137,6 @@ class EngineCore:
             _, highest = torch.cuda.Stream.priority_range()
             self._step_stream = torch.cuda.Stream(self.device, priority=highest)
             self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
-        self._prefill_done: torch.cuda.Event | None = None  # the last prompt work, for the next step to wait on
         self._codec_ready: dict[int, torch.cuda.Event | None] = {}  # slot -> its codec set-up
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
@@ -321,8 +320,12 @@ class EngineCore:
                 if rows:
                     self._prefill(rows)
                 if self._prefill_stream is not None:
-                    self._prefill_done = torch.cuda.Event()
-                    self._prefill_done.record()
+                    done = torch.cuda.Event()
+                    done.record()
+            if self._prefill_stream is not None:
+                # Everything later on the steps' stream (text for running streams, the next step with the new
+                # rows) follows this prompt work: a slot's text length is then never written out of order.
+                torch.cuda.current_stream().wait_event(done)
         feeds = self.scheduler.text_feeds()
         for request, ids in feeds:  # running streams' text: on the steps' stream, ordered with their frames
             self._guarded(request, self._feed, request, ids)
@@ -405,9 +408,6 @@ class EngineCore:
             active[slots] = True
             runner.active.copy_(self._host_active[index], non_blocking=True)
             self._active_slots = slots
-        if self._prefill_done is not None:  # a new row's prompt (and its slot's reset) come first
-            torch.cuda.current_stream().wait_event(self._prefill_done)
-            self._prefill_done = None
         started = done = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
@@ -485,7 +485,6 @@ class EngineCore:
         self.pacer.clear()
         self.audio.clear()
         self.scheduler.on_steps_abandoned()
-        self._prefill_done = None
         for request in self.scheduler.live():
             if request.slot is not None or request in self.scheduler.finishing:
                 self._end(request, FinishReason.ERROR, exc)

@@ -39,6 +39,35 @@ from .voices import AudioInput, VoiceEncoder, load_voice, save_voice
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before restarting a dead core, and the longest (doubling)
+AUTO_STREAMS_CPU = 16
+AUTO_STREAMS_MAX = 256
+AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the slots' caches and state
+
+
+def auto_max_streams(model: torch.nn.Module, max_seq_len: int) -> int:
+    """Stream slots for this device: 16 on the CPU; on a GPU as many as fit in the free memory (talker and
+    predictor KV caches, the projected text track, the codec's state and its graph scratch rows per slot), in
+    multiples of 16, at most 256. Slots are allocated up front, so this is checked once at start-up."""
+    device = next(model.talker.parameters()).device
+    if device.type != "cuda":
+        return AUTO_STREAMS_CPU
+    cfg = model.config.talker_config
+    pcfg = cfg.code_predictor_config
+    itemsize = next(model.talker.parameters()).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    p_head_dim = getattr(pcfg, "head_dim", None) or pcfg.hidden_size // pcfg.num_attention_heads
+    talker_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (max_seq_len + 1) * head_dim
+    predictor_kv = 2 * pcfg.num_hidden_layers * pcfg.num_key_value_heads * 16 * p_head_dim
+    text_track = max_seq_len * cfg.hidden_size
+    codec_state = 3 * 8 * 2**20 // itemsize  # three codec slots a stream (its own and two graph scratch rows)
+    per_slot = itemsize * (talker_kv + predictor_kv + text_track + codec_state)
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(free * AUTO_MEMORY_FRACTION // per_slot)
+    slots = min(AUTO_STREAMS_MAX, fit // 16 * 16 if fit >= 16 else fit)
+    if slots < 1:
+        raise ValueError(f"not enough free device memory for one stream slot ({per_slot / 2**20:.0f} MiB)")
+    logger.info("max_streams auto: %d slots (%.0f MiB each, %.1f GiB free)", slots, per_slot / 2**20, free / 2**30)
+    return slots
 
 
 class Engine(EngineFrontend):
@@ -48,7 +77,7 @@ class Engine(EngineFrontend):
         self,
         official: object,
         *,
-        max_streams: int = 16,
+        max_streams: int | str = 16,
         max_queue: int = 64,
         max_seq_len: int = 2048,
         max_text_chars: int = 4000,
@@ -61,7 +90,8 @@ class Engine(EngineFrontend):
         shed_when_behind: bool | None = None,
         adapt_chunks: bool = True,
     ) -> None:
-        """`shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
+        """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
+        (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
         time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU.
         `adapt_chunks`: a stream whose next chunk is nearly due gets its frames decoded at once instead of
         in the next chunk of its schedule (see `engine/scheduler.py`)."""
@@ -70,6 +100,10 @@ class Engine(EngineFrontend):
         self.model = model
         self.device = next(model.talker.parameters()).device
         self.dtype = next(model.talker.parameters()).dtype
+        if max_streams == "auto":
+            max_streams = auto_max_streams(model, max_seq_len)
+        if not isinstance(max_streams, int) or max_streams < 1:
+            raise ValueError(f"max_streams must be a positive number or 'auto', got {max_streams!r}")
         self._config = CoreConfig(
             max_streams=max_streams, max_seq_len=max_seq_len, chunk_schedule=tuple(chunk_schedule),
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,

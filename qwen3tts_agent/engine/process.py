@@ -280,10 +280,14 @@ class EngineProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start(self, timeout: float | None = None) -> None:
-        """Start the process and wait until it serves; raises RuntimeError if it fails to start."""
-        self._spawn(timeout)
-        self._watcher = threading.Thread(target=self._watch, name="qwen3tts-core-watch", daemon=True)
+    def start(self, timeout: float | None = None, *, wait: bool = True, on_failure: Any = None) -> None:
+        """Start the process; with `wait`, until it serves (RuntimeError if it fails to start). Without,
+        the start runs in the background and `on_failure(message)` is called if it fails."""
+        if wait:
+            self._spawn(timeout)
+        self._watcher = threading.Thread(
+            target=self._watch, args=(not wait, on_failure), name="qwen3tts-core-watch", daemon=True
+        )
         self._watcher.start()
 
     def _spawn(self, timeout: float | None) -> None:
@@ -304,7 +308,15 @@ class EngineProcess:
             process.join(5)
             raise RuntimeError(f"the engine core failed to start: {detail}")
 
-    def _watch(self) -> None:
+    def _watch(self, spawn_first: bool, on_failure: Any) -> None:
+        if spawn_first:
+            try:
+                self._spawn(timeout=None)
+            except RuntimeError as exc:
+                logger.error("%s", exc)
+                if on_failure is not None:
+                    on_failure(str(exc))
+                return
         while not self._stopping.is_set():
             process = self._process
             process.join()
