@@ -71,6 +71,7 @@ class ClientPlan:
     frames: int
     api_key: str | None
     start_at: float  # time.monotonic() (CLOCK_MONOTONIC: shared by the processes of one machine)
+    held: int = 0  # closed loop instead: this many streams at once, each followed at once by the next
     records: list[Record] = field(default_factory=list)
 
 
@@ -156,6 +157,9 @@ async def http_request(plan: ClientPlan, record: Record) -> None:
 async def run_client(plan: ClientPlan) -> list[Record]:
     rng = random.Random(plan.seed)
     request = ws_request if plan.transport == "ws" else http_request
+    if plan.held:
+        await asyncio.gather(*(held_loop(plan, request, rng.uniform(0, 2.0)) for _ in range(plan.held)))
+        return plan.records
     tasks = []
     t = plan.start_at
     end = plan.start_at + plan.duration
@@ -171,6 +175,15 @@ async def run_client(plan: ClientPlan) -> list[Record]:
         tasks.append(asyncio.create_task(_guarded(request, plan, record)))
     await asyncio.gather(*tasks)
     return plan.records
+
+
+async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: ANN001
+    """One of the streams held at once: a new request as soon as the last one ended (starts spread by `offset`)."""
+    await asyncio.sleep(max(0.0, plan.start_at + offset - time.monotonic()))
+    while time.monotonic() < plan.start_at + plan.duration:
+        record = Record(started=time.monotonic(), transport=plan.transport)
+        plan.records.append(record)
+        await _guarded(request, plan, record)
 
 
 async def _guarded(request, plan: ClientPlan, record: Record) -> None:  # noqa: ANN001
@@ -256,7 +269,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     raise RuntimeError(f"serve was not ready within {args.startup_timeout} s")
 
 
-def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str) -> dict[str, object]:
+def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, held: int = 0) -> dict[str, object]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
     start_at = time.monotonic() + 2.0  # every client process is up by then
@@ -265,6 +278,7 @@ def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str) ->
         context.Process(target=client_process, args=(ClientPlan(
             url, transport, rate / args.clients, total, seed=1000 * i + int(rate * 10), voice=args.voice,
             language=args.language, frames=args.frames, api_key=args.api_key, start_at=start_at,
+            held=held // args.clients + (1 if i < held % args.clients else 0),
         ), results))
         for i in range(args.clients)
     ]
@@ -279,9 +293,18 @@ def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str) ->
     after = scrape(url, args.api_key)
     window = (start_at + args.warmup, start_at + total)
     summary = summarize(records, window)
+    if held:
+        summary["held_streams"] = held
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
                    server_metrics={k: after[k] - before.get(k, 0.0) for k in after if "total" in k or k.endswith("_sum")})
     return summary
+
+
+def print_summary(summary: dict[str, object]) -> None:
+    fa = summary["first_audio_ms"]
+    print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
+          f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
+          f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
 
 
 def main() -> None:
@@ -292,7 +315,8 @@ def main() -> None:
     parser.add_argument("--server-log", help="write serve's output here")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--api-key")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0])
+    parser.add_argument("--held", type=int, nargs="*", default=[], help="closed loop: streams held at once")
     parser.add_argument("--transports", nargs="+", default=["ws"], choices=["ws", "http"])
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals before the window")
@@ -318,10 +342,12 @@ def main() -> None:
                 print(f"[{time.strftime('%H:%M:%S')}] {transport} at {rate:g} req/s ...", flush=True)
                 summary = run_rate(args, url, rate, transport)
                 report["runs"].append(summary)  # type: ignore[union-attr]
-                fa = summary["first_audio_ms"]
-                print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
-                      f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
-                      f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
+                print_summary(summary)
+            for held in args.held:
+                print(f"[{time.strftime('%H:%M:%S')}] {transport}, {held} streams held ...", flush=True)
+                summary = run_rate(args, url, 0.0, transport, held=held)
+                report["runs"].append(summary)  # type: ignore[union-attr]
+                print_summary(summary)
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,6 +43,15 @@ RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before restarting a dead core, and
 AUTO_STREAMS_CPU = 16
 AUTO_STREAMS_MAX = 256
 AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the slots' caches and state
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def auto_max_streams(model: torch.nn.Module, max_seq_len: int) -> int:
@@ -88,13 +98,14 @@ class Engine(EngineFrontend):
         fused_kernels: bool = True,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         shed_when_behind: bool | None = None,
-        adapt_chunks: bool = True,
+        adapt_chunks: bool | None = None,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
         time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU.
         `adapt_chunks`: a stream whose next chunk is nearly due gets its frames decoded at once instead of
-        in the next chunk of its schedule (see `engine/scheduler.py`)."""
+        in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
+        where an engine near real time would otherwise cut most chunks short."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -107,7 +118,8 @@ class Engine(EngineFrontend):
         self._config = CoreConfig(
             max_streams=max_streams, max_seq_len=max_seq_len, chunk_schedule=tuple(chunk_schedule),
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
-            fused_kernels=fused_kernels, top_k_cap=top_k_cap, adapt_chunks=adapt_chunks,
+            fused_kernels=fused_kernels, top_k_cap=top_k_cap,
+            adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
@@ -255,6 +267,8 @@ class Engine(EngineFrontend):
             overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
             healthy=self.healthy,
             restarts=self._restarts,
+            device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            core_rss_bytes=resident_bytes(),
             kernel_paths=dict(getattr(core.runner, "kernel_paths", {})),
             loop_seconds=dict(core.loop_seconds),
         )

@@ -105,6 +105,8 @@ class EngineStats:
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0
+    device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run
+    core_rss_bytes: int = 0  # resident memory of the process that runs the core
     kernel_paths: dict[str, str] = field(default_factory=dict)  # which decoder stacks run as Triton kernels
     # cumulative seconds the core's loop spent per part of its turn: where a step's time goes
     loop_seconds: dict[str, float] = field(default_factory=dict)
