@@ -8,6 +8,8 @@
 #   .whl/official/  our engine and the official baseline: qwen-tts 0.1.1 on transformers 4.57.3
 #   .whl/faster/    faster-qwen3-tts on qwen-tts-hf + transformers 5.16.1 (qwen-tts-hf breaks on 5.17+)
 #   .whl/common/    audio packages both need (librosa and the small deps the machine lacks)
+#   .whl/server/    the server stack and the engine-core link (serve, benchmarks/load.py): the machine has
+#                   none of FastAPI, Starlette, uvicorn, websockets, pydantic or pyzmq
 #   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
 #
 # Install each stack into its own --target folder there (both import a package named qwen_tts):
@@ -52,6 +54,19 @@ COMMON=(
     sox==1.4.1                  # 1.5.0 ships no wheel; only the unused 25 Hz tokenizer imports it
 )
 
+SERVER=(
+    fastapi==0.165.0
+    starlette==1.10.0
+    uvicorn==0.54.0
+    websockets==17.4
+    pydantic==2.14.4
+    pydantic-core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    opentelemetry-api==1.45.2   # fastapi 0.165 imports it
+    pyzmq==27.3.0               # engine clients <-> the engine-core process
+)
+
 PLATFORMS=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
     manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64; do
@@ -70,11 +85,12 @@ fetch() {
 fetch official "${OFFICIAL[@]}"
 fetch faster "${FASTER[@]}"
 fetch common "${COMMON[@]}"
+fetch server "${SERVER[@]}"
 fetch tools py-spy==0.4.3
 
 # Prune stale wheels (another version, or a package no longer listed), then check that every
 # requirement of every wheel is met by the wheels installed with it or by the GPU machine's image.
-"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" <<'PY'
+"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" "${SERVER[*]}" <<'PY'
 import sys
 import zipfile
 from email.parser import Parser
@@ -86,7 +102,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 dest = Path(sys.argv[1])
 pins = {
     folder: {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in spec.split()}
-    for folder, spec in zip(("official", "faster", "common"), sys.argv[2:5])
+    for folder, spec in zip(("official", "faster", "common", "server"), sys.argv[2:6])
 }
 
 # The GPU machine's Python packages (device docs, KINDS.md, read 2026-11-17).
@@ -147,7 +163,7 @@ def requirements(path: Path) -> list[Requirement]:
 
 problems = 0
 for stack in ("official", "faster"):
-    installed = {**wheels["common"], **wheels[stack]}
+    installed = {**wheels["common"], **wheels[stack], **(wheels["server"] if stack == "official" else {})}
     print(f"== requirement check, stack {stack} (+ common)")
     for name, (version, path) in sorted(installed.items()):
         for req in requirements(path):
@@ -172,7 +188,7 @@ for stack in ("official", "faster"):
 
 print("== fetched")
 total = 0
-for folder in ("official", "faster", "common"):
+for folder in ("official", "faster", "common", "server"):
     for name, (version, path) in sorted(wheels[folder].items()):
         size = path.stat().st_size
         total += size

@@ -166,7 +166,7 @@ def test_cancel_frees_the_slot_at_once_when_no_step_is_in_flight() -> None:
 
 def test_runaway_guard_ends_a_stream_that_never_reaches_end_of_speech() -> None:
     scheduler = make_scheduler(max_seq_len=4096)
-    r = make_request("r", max_frames=None, schedule=(64,))
+    r = make_request("r", max_frames=1000, schedule=(64,))
     text = [5, 6, 7]
     start(scheduler, r, text)
     assert r.frame_limit == runaway_frame_limit(len(text))
@@ -180,6 +180,12 @@ def test_runaway_guard_ends_a_stream_that_never_reaches_end_of_speech() -> None:
     while scheduler.runnable():
         step(scheduler, 0.0)
     assert explicit.frames == 3 and explicit.finish_reason is FinishReason.MAX_FRAMES
+    fixed = make_request("f", max_frames=200, schedule=(64,))
+    fixed.runaway_guard = False  # fixed-length output (ignore_eos): only max_frames counts
+    start(scheduler, fixed, text)
+    while scheduler.runnable():
+        step(scheduler, 0.0)
+    assert fixed.frames == 200 and fixed.finish_reason is FinishReason.MAX_FRAMES
 
 
 def test_a_stream_close_to_its_deadline_gets_its_frames_decoded_early() -> None:

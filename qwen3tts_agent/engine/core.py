@@ -294,7 +294,8 @@ class EngineCore:
             ref_text_len=len(spec.ref_text_ids),
         )
         request = RequestState(
-            message.request_id, shape, message.chunk_schedule, message.submitted, max_frames=message.sampling.max_frames
+            message.request_id, shape, message.chunk_schedule, message.submitted,
+            max_frames=message.sampling.max_frames, runaway_guard=not message.sampling.ignore_eos,
         )
         self.scheduler.add(request)
         self._specs[request.request_id] = spec

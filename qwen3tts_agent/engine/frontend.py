@@ -296,6 +296,7 @@ class EngineFrontend:
             return
         result = stream.result
         result.finish_reason = output.reason
+        result.frames = max(result.frames, output.frames)  # also those a cancel left undelivered
         result.codes = output.codes
         result.queue_wait = output.queue_wait
         result.text_wait = output.text_wait

@@ -67,7 +67,8 @@ class RequestState:
     shape: PromptShape
     chunk_schedule: tuple[int, ...]
     submitted: float
-    max_frames: int | None = None  # the caller's cap; None: the runaway guard
+    max_frames: int | None = None  # the caller's cap
+    runaway_guard: bool = True  # bound the frames by the text's length too (off for fixed-length output)
     text_ids: list[int] = field(default_factory=list)  # final target tokens so far
     closed: bool = False
     slot: int | None = None
@@ -96,10 +97,10 @@ class RequestState:
 
     @property
     def frame_limit(self) -> int | None:
-        """Frames this request may make: its max_frames, or the runaway guard's bound once all text is in."""
-        if self.max_frames is not None:
-            return self.max_frames
-        return runaway_frame_limit(len(self.text_ids)) if self.closed else None
+        """Frames this request may make: its max_frames and, once all text is in, the runaway guard's bound."""
+        guard = runaway_frame_limit(len(self.text_ids)) if self.closed and self.runaway_guard else None
+        limits = [limit for limit in (self.max_frames, guard) if limit is not None]
+        return min(limits) if limits else None
 
     def deadline(self) -> float | None:
         """When its next chunk must have left for a client playing from the first chunk; None before that."""
@@ -349,7 +350,8 @@ class Scheduler:
             if finished[slot]:
                 request.finish_reason = FinishReason.EOS
             elif limit is not None and request.frames >= limit:
-                request.finish_reason = FinishReason.MAX_FRAMES if request.max_frames is not None else FinishReason.LENGTH
+                capped = request.max_frames is not None and request.frames >= request.max_frames
+                request.finish_reason = FinishReason.MAX_FRAMES if capped else FinishReason.LENGTH
             elif request.position >= self.max_seq_len and request.frames == request.frames_launched:
                 request.finish_reason = FinishReason.MAX_FRAMES  # the KV cache is full
         plans = []

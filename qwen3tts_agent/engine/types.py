@@ -16,10 +16,10 @@ class SamplingParams:
     """Decoding parameters; defaults are the official `qwen-tts` ones.
 
     `top_k` must lie in 1..the engine's `top_k_cap` (64 by default) when sampling. `max_frames` caps the
-    audio at max_frames * 80 ms; left at None, the engine bounds it by the text's length instead (the
-    runaway guard, finish reason `length`: real models can miss their end token on short inputs).
-    `ignore_eos` forbids the end token so every request yields exactly `max_frames` frames (fixed-length
-    generation for benchmarks).
+    audio at max_frames * 80 ms (finish reason `max_frames`). The runaway guard also bounds it by the
+    text's length (`scheduler.runaway_frame_limit`, finish reason `length`), since real models can miss
+    their end token on short inputs. `ignore_eos` forbids the end token so that every request yields
+    exactly `max_frames` frames (fixed-length generation for benchmarks); it turns the guard off.
     """
 
     do_sample: bool = True
@@ -132,8 +132,8 @@ class FinishReason(str, Enum):
 class StreamResult:
     """Summary of a finished stream, filled in by the engine."""
 
-    frames: int = 0
-    audio_seconds: float = 0.0
+    frames: int = 0  # frames the engine made for the stream (a cancelled stream may not have received all)
+    audio_seconds: float = 0.0  # audio delivered
     first_audio_latency: float | None = None  # submit -> first chunk ready, seconds
     wall_seconds: float = 0.0
     queue_wait: float = 0.0  # submit -> slot assigned, seconds
