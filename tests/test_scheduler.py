@@ -7,7 +7,8 @@ import pytest
 
 from qwen3tts_agent.engine.scheduler import (
     FRAME_SECONDS,
-    LATE_MEMORY_S,
+    LATE_CHUNKS_TO_SHED,
+    LATE_WINDOW_S,
     URGENT_SLACK_S,
     PromptShape,
     RequestState,
@@ -212,17 +213,22 @@ def test_chunks_are_handed_out_most_urgent_first() -> None:
     assert [p.request.request_id for p in plans] == ["c", "b", "a"]  # a first chunk, then by deadline
 
 
-def test_late_chunks_are_counted_and_make_the_scheduler_refuse_new_streams_for_a_while() -> None:
+def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_streams_for_a_while() -> None:
     scheduler = make_scheduler()
-    r = make_request("r", schedule=(1,))
-    start(scheduler, r, [5, 6])
+    r = make_request("r", schedule=(1,), max_frames=None)
+    start(scheduler, r, list(range(20)))
     [first] = step(scheduler, 0.0)
     scheduler.on_delivered(first, now=1.0)
-    [second] = step(scheduler, 1.01)
-    assert not scheduler.overloaded(1.01)
-    scheduler.on_delivered(second, now=1.0 + FRAME_SECONDS + 0.03)  # 30 ms late
-    assert scheduler.stats.late_chunks == 1 and scheduler.stats.underrun_seconds == pytest.approx(0.03)
-    assert scheduler.overloaded(1.2) and not scheduler.overloaded(1.2 + LATE_MEMORY_S)
+    late = 0.03
+    for i in range(LATE_CHUNKS_TO_SHED):
+        [chunk] = step(scheduler, 1.0 + i * 0.01)
+        assert not scheduler.overloaded(1.0)
+        scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
+    assert scheduler.stats.late_chunks == LATE_CHUNKS_TO_SHED
+    # chunk k is due k frames after the first and left k * 30 ms after that
+    assert scheduler.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
+    now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
+    assert scheduler.overloaded(now) and not scheduler.overloaded(now + LATE_WINDOW_S + 0.5)
 
 
 def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:

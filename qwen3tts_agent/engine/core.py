@@ -137,7 +137,6 @@ class EngineCore:
             _, highest = torch.cuda.Stream.priority_range()
             self._step_stream = torch.cuda.Stream(self.device, priority=highest)
             self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
-        self._codec_ready: dict[int, torch.cuda.Event | None] = {}  # slot -> its codec set-up
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
         self._text_wait: dict[str, float] = {}
@@ -337,7 +336,7 @@ class EngineCore:
         assert slot is not None
         spec = self._specs[request.request_id]
         self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
-        self._codec_ready[slot] = self.audio.start(slot, spec)
+        self.audio.start(request.request_id, spec)
 
     def _prompt_row(self, plan: PrefillPlan) -> PrefillRow:
         request = plan.request
@@ -453,14 +452,14 @@ class EngineCore:
             self.scheduler.on_step_done(step.seq)
             self._failures = 0  # a step came through: the device works
             if plans:
-                self.audio.decode(plans, self._codec_ready)
+                self.audio.decode(plans, now)
             progressed = True
         return progressed
 
     def _deliver(self) -> bool:
         """Hand decoded chunks to their requests; end requests whose last chunk this was."""
         progressed = False
-        for plan, pcm in self.audio.finished(wait=False):
+        for plan, pcm in self.audio.finished():
             progressed = True
             request = plan.request
             if not self.scheduler.is_live(request):
@@ -477,6 +476,8 @@ class EngineCore:
                 logger.exception("output sink failed for request %s", request.request_id)
             if plan.is_last:
                 self._end(request, request.finish_reason or FinishReason.EOS)
+        if progressed:
+            self.audio.pump(time.perf_counter())  # the codec lane has room again
         return progressed
 
     def _step_failed(self, exc: Exception) -> None:
@@ -500,6 +501,7 @@ class EngineCore:
             return
         self.scheduler.finish(request, reason)
         rid = request.request_id
+        self.audio.drop(rid)
         self._specs.pop(rid, None)
         self._sampling.pop(rid, None)
         self._trailing.pop(rid, None)

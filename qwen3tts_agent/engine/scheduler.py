@@ -14,6 +14,7 @@ streams still have slack, instead of letting every stream starve a little.
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ RUNAWAY_FRAMES_PER_TOKEN = 8
 URGENT_SLACK_S = 0.04
 # Refuse new streams while a step takes longer than a frame's duration divided by this...
 MIN_STEP_RATE_OVER_REAL_TIME = 1.5
-# ... or while a chunk left later than its deadline within this many seconds.
-LATE_MEMORY_S = 2.0
+# ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
+LATE_WINDOW_S = 1.0
+LATE_CHUNKS_TO_SHED = 3
 
 
 def runaway_frame_limit(text_tokens: int) -> int:
@@ -130,7 +132,6 @@ class ChunkPlan:
     """Decode `codes` (frames [frame_start, frame_start + n)) of a request now."""
 
     request: RequestState
-    slot: int  # the codec slot (the request's engine slot when the chunk was planned)
     codes: np.ndarray  # [n, 16]
     frame_start: int
     is_first: bool
@@ -183,7 +184,7 @@ class Scheduler:
         self._launched_steps = 0
         self._completed_steps = 0
         self.stats = SchedulerStats()
-        self._last_late_at = float("-inf")
+        self._late_at: collections.deque[float] = collections.deque()  # recent late deliveries
 
     # ----------------------------------------------------------------- requests
     def add(self, request: RequestState) -> None:
@@ -362,7 +363,7 @@ class Scheduler:
             if request.finish_reason is not None:
                 self._release(request)
                 self.finishing.append(request)
-        return sorted(plans, key=lambda p: _urgency(p, now))
+        return sorted(plans, key=lambda p: urgency(p, now))
 
     def _due_chunk(self, request: RequestState, now: float) -> ChunkPlan | None:
         if not request.pending:
@@ -373,10 +374,9 @@ class Scheduler:
         if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
             return None
         n = len(request.pending) if ended or urgent else request.next_chunk_frames
-        assert request.slot is not None
         start = request.pending_start
         first = request.chunk_index == 0
-        return ChunkPlan(request, request.slot, request.take_pending(n), start, first, ended and not request.pending)
+        return ChunkPlan(request, request.take_pending(n), start, first, ended and not request.pending)
 
     # ----------------------------------------------------------------- delivery and load
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:
@@ -388,19 +388,21 @@ class Scheduler:
         elif now > deadline:
             self.stats.late_chunks += 1
             self.stats.underrun_seconds += now - deadline
-            self._last_late_at = now
+            self._late_at.append(now)
         request.delivered_frames = plan.frame_start + plan.n_frames
 
     def overloaded(self, now: float) -> bool:
-        """Whether new streams should be refused: steps are slow, or a chunk left late a moment ago."""
+        """Whether new streams should be refused: steps are slow, or several chunks left late a moment ago."""
+        while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
+            self._late_at.popleft()
         slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
-        return slow or now - self._last_late_at < LATE_MEMORY_S
+        return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
 
     def live(self) -> list[RequestState]:
         return list(self.requests.values())
 
 
-def _urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
+def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
     """First chunks first (oldest request first), then the earliest deadline."""
     if plan.is_first:
         return (0, plan.request.submitted)
