@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -37,6 +38,9 @@ from .messages import AbortRequest, AddRequest, ChunkOutput, FinishOutput
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+# The step loop and the I/O thread share this process's interpreter lock: a short switch interval lets the
+# I/O thread forward a request or an audio chunk within about a millisecond of it being ready.
+GIL_SWITCH_INTERVAL_S = 0.0005
 CLIENT_SILENCE_S = 5.0  # a client not heard from for this long is gone: its requests are aborted
 EXIT_CORE_DIED = 70
 
@@ -231,6 +235,7 @@ class CoreServer:
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

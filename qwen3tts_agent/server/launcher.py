@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from ..engine.process import CoreLaunch, EngineProcess
+from ..engine.process import GIL_SWITCH_INTERVAL_S, CoreLaunch, EngineProcess
 from .config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def worker_app() -> Any:
     from ..engine.client import EngineClient
     from .app import create_app
 
+    # the event loop and the engine client's I/O thread share the interpreter lock: hand it over quickly
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     settings = json.loads(os.environ[SETTINGS_ENV])
     config = _config_from_json(settings["config"])
     address = settings["core_address"]
