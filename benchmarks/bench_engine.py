@@ -196,7 +196,7 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
 
     With the Triton layer kernels on, the same graphs are also timed on the PyTorch layer path (`*_torch_ms`).
     """
-    runner = engine._runner
+    runner = engine.core.runner
     fused = runner.fused_kernels
     out: dict[str, dict[str, float]] = {}
     saved_active = runner.active.clone()
@@ -236,7 +236,7 @@ def kernel_breakdown(engine: Engine, kv_len: int, batch: int = 1) -> dict[str, o
     The graph replays the same kernels; the gap between their summed time and the replay's wall time is the
     per-kernel launch and dependency cost that only fusion removes. Rows are inactive (no slot moves).
     """
-    runner = engine._runner
+    runner = engine.core.runner
     saved_active = runner.active.clone()
     runner.active.zero_()
     breakdown = profile_kernels(lambda: runner.frame_step(batch, kv_len))
@@ -283,8 +283,8 @@ def profile_kernels(fn: Callable[[], object], top: int = 15, ops: bool = False) 
 
 def codec_call(engine: Engine, batch: int, frames: int, graphed: bool) -> Callable[[], object]:
     """One streaming-codec call on fresh slots (eager, or graph replays)."""
-    codec = engine._codec
-    decode = engine._codec_graphs.decode if graphed else codec.decode
+    codec = engine.core.audio.codec
+    decode = engine.core.audio._graphs.decode if graphed else codec.decode
     codes = torch.randint(0, 2048, (batch, frames, 16), device=engine.device)
     slots = list(range(batch))
     for s in slots:
@@ -342,16 +342,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         }
         log(f"single stream: {report['single_stream']}")
         if cuda:
-            report["fused_kernels"] = engine._runner.fused_kernels
+            report["fused_kernels"] = engine.core.runner.fused_kernels
             report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
-            fused = engine._runner.fused_kernels
+            fused = engine.core.runner.fused_kernels
             report["kernel_breakdown_b1"] = {}
             for kernels_on in (True, False) if fused else (False,):
-                engine._runner.fused_kernels = kernels_on
+                engine.core.runner.fused_kernels = kernels_on
                 name = "triton_layers" if kernels_on else "torch_layers"
                 report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
                 log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
-            engine._runner.fused_kernels = fused
+            engine.core.runner.fused_kernels = fused
         engine.close()
         del engine
 

@@ -8,6 +8,8 @@
 #   .whl/official/  our engine and the official baseline: qwen-tts 0.1.1 on transformers 4.57.3
 #   .whl/faster/    faster-qwen3-tts on qwen-tts-hf + transformers 5.16.1 (qwen-tts-hf breaks on 5.17+)
 #   .whl/common/    audio packages both need (librosa and the small deps the machine lacks)
+#   .whl/server/    the server stack and the engine-core link (serve, benchmarks/load.py): the machine has
+#                   none of FastAPI, Starlette, uvicorn, websockets, pydantic or pyzmq
 #   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
 #   .whl/server/    the server's stack for benchmarks/soak.py (fastapi, uvicorn, websockets, pydantic, ...)
 #
@@ -64,6 +66,19 @@ COMMON=(
     cffi==2.1.1
     pycparser==3.12
     sox==1.4.1                  # 1.5.0 ships no wheel; only the unused 25 Hz tokenizer imports it
+)
+
+SERVER=(
+    fastapi==0.165.0
+    starlette==1.10.0
+    uvicorn==0.54.0
+    websockets==17.4
+    pydantic==2.14.4
+    pydantic-core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    opentelemetry-api==1.45.2   # fastapi 0.165 imports it
+    pyzmq==27.3.0               # engine clients <-> the engine-core process
 )
 
 PLATFORMS=()

@@ -90,7 +90,7 @@ def main() -> None:
             setattr(module, name, int(value))
     official = load_official_model(args.model, device="cuda", dtype=torch.bfloat16)
     engine = Engine(official, max_streams=max(1, args.batch), max_seq_len=max(512, args.kv_len))
-    runner = engine._runner
+    runner = engine.core.runner
     for slot in range(args.batch):  # the default sampling (top-k 50 of a sort), as streams use it
         runner.reset_slot(slot, asdict(SamplingParams(seed=slot)))
     runner.active.zero_()  # every row inactive: a frame's work, but no slot's state moves

@@ -92,7 +92,7 @@ def compare(
     log(f"official: {theirs.shape[0]} frames in {official_s:.1f} s")
 
     engine = Engine(official, max_streams=4, max_seq_len=max_seq_len, keep_codes=True, **flags)
-    kernel_paths = dict(engine._runner.kernel_paths)
+    kernel_paths = dict(engine.core.runner.kernel_paths)
     engine.warmup(progress=False)
     voice = engine_voice(engine, official)
     # run beside another stream so the comparison covers batched steps too
@@ -124,7 +124,7 @@ def fused_activation_gap(engine: Engine) -> float:
     """Largest difference between the codec's fused SnakeBeta kernels and the official modules, on random input."""
     generator = torch.Generator(engine.device).manual_seed(0)
     gap = 0.0
-    for snake in engine._codec._snakes.values():
+    for snake in engine.core.audio.codec._snakes.values():
         if not isinstance(snake, FusedSnakeBeta):  # a module the kernel does not take runs as itself
             continue
         x = torch.randn(3, snake.alpha.shape[0], 5000, device=engine.device, generator=generator).to(engine.dtype) * 3

@@ -5,7 +5,9 @@
 # Stages: smoke, sweep, kernels, kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against
 # PyTorch), timeline (where a 0.6B frame's time goes), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
-# and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b, soak (10,000
+# and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
+# load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
+# LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
@@ -16,7 +18,7 @@ out=${1:?output folder}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-[ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl || exit 1
+[ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl .whl/server/*.whl || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
   PYTHONPATH=/tmp/official python3 -c "import transformers; print('transformers (engine, official)', transformers.__version__)"
@@ -54,6 +56,19 @@ for stage in "$@"; do
                     2>&1 | tee "$out/kernel-tests.log" ;;
     engine-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    single-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
+                   --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
+    load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
+               official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
+                 --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --duration ${LOAD_WINDOW:-60} --warmup 5 \
+                 --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log" ;;
+    load-0.6b) checkpoint synthetic:0.6b > /dev/null
+               official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
+               ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
+               official -m benchmarks.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
+                 --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 \
+                 --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
+                 --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log" ;;
     engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)

@@ -1,6 +1,7 @@
 """qwen3tts-agent: a real-time streaming Qwen3-TTS engine for voice agents."""
 
-from .engine.engine import Engine, EngineStats
+from .engine.engine import Engine
+from .engine.frontend import EngineStats
 from .engine.stream import SpeechStream
 from .engine.types import (
     SAMPLE_RATE,

@@ -45,3 +45,15 @@ class EngineClosedError(Qwen3TTSAgentError):
 
 class StreamCancelledError(Qwen3TTSAgentError):
     """Text was pushed to, or audio awaited from, a stream that was cancelled."""
+
+
+class EngineError(Qwen3TTSAgentError):
+    """A failure inside the engine, not the caller's fault (reported across a process boundary by type name)."""
+
+
+class EngineDeadError(Qwen3TTSAgentError):
+    """The engine's core stopped (a crash, a device fault): streams it held end with this error."""
+
+
+class EngineNotReadyError(Qwen3TTSAgentError):
+    """The engine cannot take requests right now (its core is starting or restarting); retry shortly."""

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from tqdm import tqdm
 
+from ..progress import track
 from .codec import StreamingCodecDecoder
 from .host import upload
 from .runner import ModelRunner, PrefillRow
@@ -76,7 +76,7 @@ class GraphedFrameStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, k) for b in self.batch_buckets for k in self.kv_buckets]
-        iterator = tqdm(keys, desc="capturing CUDA graphs", disable=not progress)
+        iterator = track(keys, desc="capturing CUDA graphs", enabled=progress)
         for b, kv in iterator:
             with torch.cuda.stream(side):  # eager first run of each shape: allocator, library kernel choice
                 runner.frame_step(b, kv)
@@ -159,7 +159,7 @@ class GraphedPrefill:
         self._write_pos.fill_(self.runner.max_seq_len)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        for b, t, k in tqdm(self.keys, desc="capturing prefill graphs", disable=not progress):
+        for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             inputs = self._inputs(b, t)
             with torch.cuda.stream(side):
                 self.runner.prefill_forward(*inputs, kv_len=k)
@@ -226,7 +226,7 @@ class GraphedCodecDecode:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
-        for b, t in tqdm(keys, desc="capturing codec graphs", disable=not progress):
+        for b, t in track(keys, desc="capturing codec graphs", enabled=progress):
             slots, codes = self._slots[:b], self._codes[:b, :t]
             with torch.cuda.stream(side):
                 self.codec.decode(slots, codes)

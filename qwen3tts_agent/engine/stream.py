@@ -10,26 +10,29 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidTextError, StreamCancelledError
-from .types import AudioChunk, StreamResult
+from .text import IncrementalText, validate_text
+from .types import SAMPLE_RATE, SAMPLES_PER_FRAME, AudioChunk, FinishReason, StreamResult
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .frontend import EngineFrontend
 
 
 class SpeechStream:
-    """One utterance. Chunks arrive from the engine thread; text and cancel go to it as commands.
+    """One utterance. Chunks arrive from the engine's core; text and cancel go to it as messages.
 
     Iterate it with `async for` (event loops) or `chunks()` (threads). After `cancel()`/`acancel()` returns,
-    no further chunk is yielded, including chunks already produced but not yet consumed.
+    no further chunk is yielded, including chunks already produced but not yet consumed. Text is tokenized
+    here, in the caller's thread, as it arrives.
     """
 
-    def __init__(self, engine: Engine, stream_id: str, max_text_chars: int) -> None:
+    def __init__(self, owner: EngineFrontend, stream_id: str, text: IncrementalText, max_text_chars: int) -> None:
         self.id = stream_id
         self.result = StreamResult()
         self.submitted = time.perf_counter()
-        self._engine = engine
+        self._owner = owner
+        self._text = text
+        self._text_lock = threading.Lock()
         self._max_text_chars = max_text_chars
-        self._text_chars = 0
         self._input_closed = False
         self._lock = threading.Condition()
         self._chunks: collections.deque[AudioChunk] = collections.deque()
@@ -45,28 +48,37 @@ class SpeechStream:
     def push_text(self, delta: str) -> None:
         """Append text (any granularity, e.g. LLM tokens). Thread-safe and non-blocking.
 
+        Invalid text (not a str, invalid Unicode) raises InvalidTextError and is dropped; the stream goes on.
         Text pushed after the stream has ended on its own (end of speech, max_frames) is ignored.
         """
         if self._cancelled:
             raise StreamCancelledError(f"stream {self.id} was cancelled")
         if self._input_closed:
             raise InvalidTextError("text pushed after close_input()")
-        if not isinstance(delta, str):
-            raise InvalidTextError(f"text must be str, got {type(delta).__name__}")
+        validate_text(delta)
         if not delta:
             return
-        self._text_chars += len(delta)
-        if self._text_chars > self._max_text_chars:
-            self.cancel()
-            raise InvalidTextError(f"text longer than {self._max_text_chars} characters")
-        self._engine._command(("text", self, delta))
+        with self._text_lock:
+            if self._text.chars + len(delta) > self._max_text_chars:
+                self.cancel()
+                raise InvalidTextError(f"text longer than {self._max_text_chars} characters")
+            ids = self._text.push(delta)
+            self._owner._stream_text(self, ids)
 
     def close_input(self) -> None:
-        """No more text: the utterance ends at the model's end token after the text."""
-        if self._input_closed or self._cancelled:
-            return
-        self._input_closed = True
-        self._engine._command(("close", self, None))
+        """No more text: the utterance ends at the model's end token after the text.
+
+        A text that is empty or only whitespace ends the stream with InvalidTextError (the same rule as for
+        a whole text given to `open_stream`).
+        """
+        with self._text_lock:
+            if self._input_closed or self._cancelled:
+                return
+            self._input_closed = True
+            if self._text.blank:
+                self._owner._stream_fail(self, InvalidTextError("text is empty"))
+                return
+            self._owner._stream_close(self, self._text.close())
 
     # ----------------------------------------------------------------- cancel
     def cancel(self) -> None:
@@ -83,7 +95,7 @@ class SpeechStream:
         if already_done:
             self._cancel_ack.set()
         else:
-            self._engine._command(("cancel", self, None))
+            self._owner._stream_cancel(self)
 
     async def acancel(self) -> float:
         """Cancel and wait until the engine has dropped the request; returns that latency in seconds."""
@@ -113,14 +125,23 @@ class SpeechStream:
     # ----------------------------------------------------------------- output (engine thread side)
     def _deliver(self, chunk: AudioChunk) -> None:
         with self._lock:
-            if self._cancelled:
+            if self._cancelled or self._done:
                 return
+            result = self.result
+            if result.first_audio_latency is None:
+                result.first_audio_latency = chunk.timings.ready - chunk.timings.submitted
+            result.frames = chunk.frame_end
+            result.audio_seconds = chunk.frame_end * SAMPLES_PER_FRAME / SAMPLE_RATE
             self._chunks.append(chunk)
             self._lock.notify_all()
         self._wake()
 
     def _finish(self, error: BaseException | None = None) -> None:
         with self._lock:
+            if self._done:
+                return
+            if error is not None:
+                self.result.finish_reason = FinishReason.ERROR
             self._done = True
             self._error = error
             self._lock.notify_all()

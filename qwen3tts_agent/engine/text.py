@@ -8,11 +8,13 @@ from ..errors import InvalidTextError
 
 logger = logging.getLogger(__name__)
 
-# `<|im_start|>assistant\n` and `<|im_end|>\n<|im_start|>assistant\n` around the target text; the official
-# code slices them off with [3:-5] (and `<|im_end|>\n` with [:-2] after a reference text).
+# The official templates: `<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n` for the target
+# text (sliced [3:-5]), `<|im_start|>assistant\n{ref}<|im_end|>\n` for a reference transcript ([3:-2]),
+# `<|im_start|>user\n{instruct}<|im_end|>\n` for an instruction. Control tokens split the tokenizer's input
+# into pieces tokenized on their own, so the sliced ids are the tokens of `assistant\n{text}` minus the first two.
 _ROLE_TOKENS = 3
-_TARGET_TAIL_TOKENS = 5
-_REF_TAIL_TOKENS = 2
+_TEXT_PREFIX = "assistant\n"
+_TEXT_PREFIX_TOKENS = 2
 
 
 def validate_text(text: object, *, what: str = "text") -> str:
@@ -33,67 +35,97 @@ def validate_text(text: object, *, what: str = "text") -> str:
 
 
 class TextTokenizer:
-    """The official prompt templates over the model's Qwen2 tokenizer."""
+    """The official prompt templates over the model's Qwen2 tokenizer, with user text kept as plain text.
+
+    The official package tokenizes user text inside its chat template, so a string such as `<|im_end|>` in
+    the text becomes the control token and changes the prompt's structure. Here user text (target text,
+    reference transcript, instruction) never turns into control tokens: such strings are tokenized as the
+    plain characters they are. That is the one deviation from the official tokenization; for any text
+    without control-token strings the ids are the official ones (tests compare them).
+    """
 
     def __init__(self, tokenizer: object) -> None:
-        self._tok = tokenizer
+        """`tokenizer`: the official processor's (fast) tokenizer, or its backend's JSON (`to_json`)."""
+        from tokenizers import Tokenizer
 
-    def _ids(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        self._json = tokenizer if isinstance(tokenizer, str) else tokenizer.backend_tokenizer.to_str()  # type: ignore[attr-defined]
+        self._plain = Tokenizer.from_str(self._json)
+        self._plain.encode_special_tokens = True  # control-token strings are plain text
+        im_start, im_end = self._plain.token_to_id("<|im_start|>"), self._plain.token_to_id("<|im_end|>")
+        if im_start is None or im_end is None:
+            raise ValueError("not a Qwen chat tokenizer: <|im_start|> / <|im_end|> are missing")
+        self._im_start, self._im_end = im_start, im_end
+        self._newline = self._plain.encode("\n", add_special_tokens=False).ids
+
+    def to_json(self) -> str:
+        """The tokenizer as JSON, to rebuild it in another process (an engine client)."""
+        return self._json
+
+    def encode_plain(self, text: str) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+        """Ids, pre-token index and character span of every token of `text`, control-token strings as text."""
+        encoding = self._plain.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.word_ids, encoding.offsets
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def role_ids(self) -> list[int]:
-        return self._ids("<|im_start|>assistant\n")[:_ROLE_TOKENS]
+        return ([self._im_start] + self._plain_ids(_TEXT_PREFIX))[:_ROLE_TOKENS]
 
     def target_ids(self, text: str) -> list[int]:
-        ids = self._ids(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
-        return ids[_ROLE_TOKENS:-_TARGET_TAIL_TOKENS]
+        return self._plain_ids(_TEXT_PREFIX + text)[_TEXT_PREFIX_TOKENS:]
 
     def ref_ids(self, ref_text: str) -> list[int]:
-        return self._ids(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[_ROLE_TOKENS:-_REF_TAIL_TOKENS]
+        return self._plain_ids(_TEXT_PREFIX + ref_text)[_TEXT_PREFIX_TOKENS:]
 
     def instruct_ids(self, instruct: str) -> list[int]:
-        return self._ids(f"<|im_start|>user\n{instruct}<|im_end|>\n")
-
-    def stable_prefix_ids(self, text: str) -> list[int]:
-        """Tokens of `text` that no continuation can change: all but its last pre-token.
-
-        BPE never merges across pre-tokens, and with the Qwen2 split regex only the last pre-token can still
-        grow or re-split (a word being typed, trailing whitespace, a contraction); tests fuzz this claim.
-        """
-        backend = self._tok.backend_tokenizer  # type: ignore[attr-defined]
-        pieces = backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(text))
-        if len(pieces) < 2:
-            return []
-        boundary = pieces[-1][1][0]
-        encoding = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
-        return [i for i, (_, end) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True) if end <= boundary]
+        return [self._im_start, *self._plain_ids("user\n" + instruct), self._im_end, *self._newline]
 
 
 class IncrementalText:
-    """Turns text deltas into text-track token ids as soon as they are final.
+    """Turns text deltas into target-text token ids as soon as they are final, at a cost of O(delta) each.
 
-    Once the input is closed the remainder comes from the official whole-text tokenization, so a stream
-    whose text arrived in pieces is fed exactly the tokens the whole text would give.
+    BPE never merges across pre-tokens, and with the Qwen2 split pattern only the last pre-token of a text
+    can still grow or re-split once more text follows (a word being typed, trailing whitespace, a
+    contraction). So the ids of every pre-token but the last are final, and only the uncommitted tail (the
+    last pre-token plus new text) is ever tokenized again. A delta of letters only cannot end a pre-token
+    except at a change of letter case, so the tail is tokenized when a delta brings another character;
+    letters wait for it (or for `close`). `close` tokenizes the tail: the ids then equal the whole text's
+    (`TextTokenizer.target_ids`), which tests check on random splits of awkward strings.
     """
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tok = tokenizer
-        self.text = ""
-        self.committed: list[int] = []
+        self._tail = _TEXT_PREFIX  # uncommitted text, starting at a pre-token boundary
+        self._to_skip = _TEXT_PREFIX_TOKENS  # the template's tokens before the target text
+        self.chars = 0
+        self.blank = True  # only whitespace so far
+        self.tokenized_chars = 0  # characters handed to the tokenizer (for the cost test)
 
     def push(self, delta: str) -> list[int]:
-        self.text += delta
-        stable = self._tok.stable_prefix_ids(self.text)
-        if len(stable) <= len(self.committed) or stable[: len(self.committed)] != self.committed:
+        self._tail += delta
+        self.chars += len(delta)
+        if self.blank and not delta.isspace():
+            self.blank = False
+        if delta.isalpha():
             return []
-        new = stable[len(self.committed) :]
-        self.committed = stable
-        return new
+        self.tokenized_chars += len(self._tail)
+        ids, words, offsets = self._tok.encode_plain(self._tail)
+        if not ids:
+            return []
+        cut = words.index(words[-1])  # the last pre-token's first token
+        if cut == 0:
+            return []
+        self._tail = self._tail[min(start for start, _ in offsets[cut:]) :]
+        return self._emit(ids[:cut])
 
     def close(self) -> list[int]:
-        final = self._tok.target_ids(self.text)
-        if final[: len(self.committed)] != self.committed:
-            logger.warning("streamed tokenization diverged from the whole-text tokenization; continuing")
-        new = final[len(self.committed) :]
-        self.committed = final
-        return new
+        self.tokenized_chars += len(self._tail)
+        ids = self._tok.encode_plain(self._tail)[0] if self._tail else []
+        self._tail = ""
+        return self._emit(ids)
+
+    def _emit(self, ids: list[int]) -> list[int]:
+        skip = min(self._to_skip, len(ids))
+        self._to_skip -= skip
+        return ids[skip:]

@@ -20,8 +20,10 @@ class SamplingParams:
     """Decoding parameters; defaults are the official `qwen-tts` ones.
 
     `top_k` must lie in 1..the engine's `top_k_cap` (64 by default) when sampling. `max_frames` caps the
-    audio at max_frames * 80 ms. `ignore_eos` forbids the end token so every
-    request yields exactly `max_frames` frames (fixed-length generation for benchmarks).
+    audio at max_frames * 80 ms (finish reason `max_frames`). The runaway guard also bounds it by the
+    text's length (`scheduler.runaway_frame_limit`, finish reason `length`), since real models can miss
+    their end token on short inputs. `ignore_eos` forbids the end token so that every request yields
+    exactly `max_frames` frames (fixed-length generation for benchmarks); it turns the guard off.
     """
 
     do_sample: bool = True
@@ -34,7 +36,7 @@ class SamplingParams:
     subtalker_top_k: int = 50
     subtalker_top_p: float = 1.0
     seed: int | None = None
-    max_frames: int = 2047
+    max_frames: int | None = None
     ignore_eos: bool = False
 
     @classmethod
@@ -115,17 +117,31 @@ class AudioChunk:
         return len(self.pcm) / self.sample_rate
 
 
+class FinishReason(str, Enum):
+    """Why a stream ended."""
+
+    EOS = "eos"  # the model's end-of-speech token
+    MAX_FRAMES = "max_frames"  # the caller's max_frames, or the KV cache is full
+    LENGTH = "length"  # the runaway guard: far more audio than the text's length explains
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class StreamResult:
     """Summary of a finished stream, filled in by the engine."""
 
-    frames: int = 0
-    audio_seconds: float = 0.0
+    frames: int = 0  # frames the engine made for the stream (a cancelled stream may not have received all)
+    audio_seconds: float = 0.0  # audio delivered
     first_audio_latency: float | None = None  # submit -> first chunk ready, seconds
     wall_seconds: float = 0.0
     queue_wait: float = 0.0  # submit -> slot assigned, seconds
+    text_wait: float = 0.0  # slot assigned -> prompt body prefilled: the wait for enough text, seconds
     cancel_latency: float | None = None  # cancel() -> engine dropped the request, seconds
-    finish_reason: str = ""  # "eos" | "max_frames" | "cancelled" | "error"
+    finish_reason: FinishReason | None = None
     codes: list[list[int]] = field(default_factory=list)  # [frames][16], kept for parity tests
 
     @property

@@ -46,6 +46,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="seconds for an HTTP request's head, and then its body, to arrive")
     p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
                    help="seconds an idle keep-alive HTTP connection stays open")
+    p.add_argument("--max-streams", default="auto",
+                   help="engine stream slots (rows of the batched step); 'auto': what the device holds "
+                   "(up to 256 on a GPU, by free memory; 16 on the CPU)")
+    p.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="run the engine's step loop in a process of its own (default; restarted if it dies) "
+                   "or on a thread of the server's process")
+    p.add_argument("--workers", type=int, default=1, help="API worker processes sharing the port (with --engine-core process)")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
@@ -82,10 +89,24 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         config.validate()
+        max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
+        if args.workers < 1 or (args.workers > 1 and args.engine_core == "thread"):
+            raise ValueError("--workers must be at least 1, and above 1 only with --engine-core process")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, engine_factory=lambda: Engine.load(args.model, device=args.device, dtype=args.dtype))
+    if args.engine_core == "process":
+        from ..engine.process import CoreLaunch
+        from .launcher import default_core_address, serve
+
+        launch = CoreLaunch(
+            args.model, default_core_address(), device=args.device, dtype=args.dtype,
+            engine_kwargs={"max_streams": max_streams}, warmup=config.warmup, log_level=args.log_level,
+        )
+        return serve(config, launch, workers=args.workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
+    app = create_app(config, engine_factory=lambda: Engine.load(
+        args.model, device=args.device, dtype=args.dtype, max_streams=max_streams
+    ))
     server = uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level))
     state = app.state.server
     state.on_failure = lambda _exc: setattr(server, "should_exit", True)
@@ -95,6 +116,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
     """The uvicorn settings the server relies on, shared by the CLI and the tests."""
+    return uvicorn.Config(app, **uvicorn_options(config, **overrides))  # type: ignore[arg-type]
+
+
+def uvicorn_options(config: ServerConfig, **overrides: object) -> dict[str, object]:
+    """The uvicorn settings as keyword arguments (the engine-core launcher builds its own Config)."""
     http_protocol, ws_protocol = connection_protocols(config)
     options: dict[str, object] = dict(
         host=config.host,
@@ -108,4 +134,4 @@ def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uv
         timeout_graceful_shutdown=5,
     )
     options.update(overrides)
-    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+    return options

@@ -136,7 +136,7 @@ class SamplingOptions(_Strict):
 
     def to_params(self, max_frames_cap: int) -> SamplingParams:
         values = self.model_dump(exclude_none=True)
-        requested = values.get("max_frames", min(SamplingParams.max_frames, max_frames_cap))
+        requested = values.get("max_frames", max_frames_cap)  # the engine's runaway guard bounds it further
         if requested > max_frames_cap:
             raise ApiError(
                 "invalid_message", f"sampling.max_frames must be at most {max_frames_cap}", param="max_frames"

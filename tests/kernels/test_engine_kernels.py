@@ -61,7 +61,7 @@ def _engine_codes(spec: str, voice: Voice | None) -> tuple[torch.Tensor, dict[st
         stream = engine.open_stream(TEXT, voice=voice, language="english", text_layout=TextLayout.INTERLEAVED,
                                     sampling=SamplingParams.greedy(max_frames=FRAMES))
         list(stream.chunks(timeout=600))
-        return torch.tensor(stream.result.codes), dict(engine._runner.kernel_paths)
+        return torch.tensor(stream.result.codes), dict(engine.core.runner.kernel_paths)
     finally:
         engine.close()
 
@@ -109,7 +109,7 @@ def test_engine_with_kernels_matches_torch_layers() -> None:
             ending = engine.open_stream("Hello there.", voice=Voice(speaker=speaker), sampling=SamplingParams.greedy(max_frames=6))
             list(ending.chunks(timeout=600))
             runs[fused] = {
-                "paths": dict(engine._runner.kernel_paths), "codes": [s.result.codes for s in streams],
+                "paths": dict(engine.core.runner.kernel_paths), "codes": [s.result.codes for s in streams],
                 "ending": (ending.result.finish_reason, ending.result.codes),
             }
         finally:

@@ -1,0 +1,363 @@
+"""Load benchmark through `qwen3tts-agent serve`: open-loop Poisson arrivals from client processes.
+
+Measures what a deployment's callers feel, the way nari-qwen3-tts and SGLang-Omni report their serving
+figures: requests arrive at a fixed mean rate whatever the server does (open loop), from several client
+processes of their own; each request is a fixed-length utterance; first audio is timed at the client,
+from the `flush` sent (WebSocket) or the request sent (HTTP) to the first PCM bytes received. Each client
+plays what it receives at real time from the first PCM on, with no extra buffer: a stream underruns when
+its playback starves for more than 10 ms in all. Per rate: a warm-up, then a measured window (requests
+started in it), then a drain.
+
+    python -m benchmarks.load --model synthetic:1.7b-customvoice --rates 1 20 40 80 --out load.json
+    python -m benchmarks.load --url ws://127.0.0.1:8000 --rates 5 --duration 10     # a running server
+
+The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TEXT = (
+    "Thanks for calling. I can help you change your booking today; could you tell me the reference "
+    "number and the name it was made under, please? Thank you."
+)
+SAMPLE_RATE = 24_000
+UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
+
+
+@dataclass
+class Record:
+    """One request as its client saw it (monotonic seconds)."""
+
+    started: float  # arrival time (the request was due)
+    transport: str
+    first_audio_s: float | None = None
+    audio_s: float = 0.0
+    done_s: float | None = None  # flush/request -> last audio
+    stall_s: float = 0.0  # total playback starvation after the first PCM
+    error: str | None = None
+
+    @property
+    def rtf(self) -> float | None:
+        return self.audio_s / self.done_s if self.done_s else None
+
+
+@dataclass
+class ClientPlan:
+    url: str
+    transport: str
+    rate: float
+    duration: float
+    seed: int
+    voice: str | None
+    language: str
+    frames: int
+    api_key: str | None
+    start_at: float  # time.monotonic() (CLOCK_MONOTONIC: shared by the processes of one machine)
+    held: int = 0  # closed loop instead: this many streams at once, each followed at once by the next
+    records: list[Record] = field(default_factory=list)
+
+
+class Playback:
+    """A client that starts playing at the first PCM it receives, in real time, with no extra buffer."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.audio_s = 0.0
+        self.stall_s = 0.0
+
+    def receive(self, now: float, samples: int) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            # audio before this chunk runs out at first + audio + stalls so far; arriving later starves
+            self.stall_s += max(0.0, now - (self.first + self.audio_s + self.stall_s))
+        self.audio_s += samples / SAMPLE_RATE
+
+
+async def ws_request(plan: ClientPlan, record: Record) -> None:
+    import websockets
+
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else None
+    async with websockets.connect(plan.url + "/v1/stream", additional_headers=headers, max_size=None) as ws:
+        start = {"type": "start", "language": plan.language,
+                 "sampling": {"max_frames": plan.frames, "ignore_eos": True}}
+        if plan.voice:
+            start["voice"] = plan.voice
+        await ws.send(json.dumps(start))
+        ready = json.loads(await ws.recv())
+        if ready.get("type") != "ready":
+            raise RuntimeError(f"{ready.get('code')}: {ready.get('message')}")
+        await ws.send(json.dumps({"type": "text", "text": TEXT}))
+        sent = time.monotonic()
+        await ws.send(json.dumps({"type": "flush"}))
+        playback = Playback()
+        while True:
+            message = await ws.recv()
+            now = time.monotonic()
+            if isinstance(message, bytes):
+                if record.first_audio_s is None:
+                    record.first_audio_s = now - sent
+                playback.receive(now, len(message) // 2)
+                continue
+            body = json.loads(message)
+            if body["type"] == "error":
+                raise RuntimeError(f"{body['code']}: {body['message']}")
+            if body["type"] == "done":
+                record.done_s = now - sent
+                break
+        await ws.send(json.dumps({"type": "close"}))
+        record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
+
+
+async def http_request(plan: ClientPlan, record: Record) -> None:
+    import httpx
+
+    url = plan.url.replace("ws://", "http://").replace("wss://", "https://") + "/v1/audio/speech"
+    body = {"model": "qwen3-tts", "input": TEXT, "response_format": "pcm", "language": plan.language,
+            "sampling": {"max_frames": plan.frames, "ignore_eos": True}}
+    if plan.voice:
+        body["voice"] = plan.voice
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    playback = Playback()
+    async with httpx.AsyncClient(timeout=120) as client:
+        sent = time.monotonic()
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                detail = json.loads(await response.aread()).get("error", {})
+                raise RuntimeError(f"{detail.get('code')}: {detail.get('message')}")
+            leftover = 0
+            async for piece in response.aiter_bytes():
+                now = time.monotonic()
+                if record.first_audio_s is None:
+                    record.first_audio_s = now - sent
+                samples, leftover = divmod(leftover + len(piece), 2)
+                playback.receive(now, samples)
+        record.done_s = time.monotonic() - sent
+    record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
+
+
+async def run_client(plan: ClientPlan) -> list[Record]:
+    rng = random.Random(plan.seed)
+    request = ws_request if plan.transport == "ws" else http_request
+    if plan.held:
+        await asyncio.gather(*(held_loop(plan, request, rng.uniform(0, 2.0)) for _ in range(plan.held)))
+        return plan.records
+    tasks = []
+    t = plan.start_at
+    end = plan.start_at + plan.duration
+    while True:
+        t += rng.expovariate(plan.rate)
+        if t > end:
+            break
+        delay = t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = Record(started=t, transport=plan.transport)
+        plan.records.append(record)
+        tasks.append(asyncio.create_task(_guarded(request, plan, record)))
+    await asyncio.gather(*tasks)
+    return plan.records
+
+
+async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: ANN001
+    """One of the streams held at once: a new request as soon as the last one ended (starts spread by `offset`)."""
+    await asyncio.sleep(max(0.0, plan.start_at + offset - time.monotonic()))
+    while time.monotonic() < plan.start_at + plan.duration:
+        record = Record(started=time.monotonic(), transport=plan.transport)
+        plan.records.append(record)
+        await _guarded(request, plan, record)
+
+
+async def _guarded(request, plan: ClientPlan, record: Record) -> None:  # noqa: ANN001
+    try:
+        await request(plan, record)
+    except Exception as exc:  # noqa: BLE001 - every failure is a data point
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def client_process(plan: ClientPlan, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    results.put([asdict(r) for r in asyncio.run(run_client(plan))])
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, object]:
+    measured = [r for r in records if window[0] <= r.started < window[1]]
+    ok = [r for r in measured if r.error is None and r.first_audio_s is not None]
+    first = [1000 * r.first_audio_s for r in ok]  # type: ignore[operator]
+    rtfs = [r.rtf for r in ok if r.rtf is not None]
+    errors: dict[str, int] = {}
+    for r in measured:
+        if r.error is not None:
+            key = r.error.split(":", 2)[1].strip() if r.error.startswith("RuntimeError") else r.error.split(":")[0]
+            errors[key] = errors.get(key, 0) + 1
+    underruns = [r for r in ok if r.stall_s > UNDERRUN_S]
+    return {
+        "requests": len(measured),
+        "completed": len(ok),
+        "achieved_rate_per_s": len(measured) / (window[1] - window[0]),
+        "first_audio_ms": {"p50": pct(first, 50), "p95": pct(first, 95), "p99": pct(first, 99), "max": max(first, default=None)},
+        "underrun_streams": len(underruns),
+        "underrun_fraction": len(underruns) / len(ok) if ok else None,
+        "stall_ms_p99": pct([1000 * r.stall_s for r in ok], 99),
+        "slowest_stream_rtf": min(rtfs, default=None),
+        "errors": errors,
+    }
+
+
+def scrape(url: str, api_key: str | None) -> dict[str, float]:
+    """The server's Prometheus counters and gauges (families named qwen3tts_*), summed over labels."""
+    request = urllib.request.Request(url.replace("ws://", "http://") + "/metrics")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    values: dict[str, float] = {}
+    with urllib.request.urlopen(request, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("qwen3tts_") and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                key = name.split("{")[0]
+                if key.endswith("_bucket"):
+                    continue
+                values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", args.model, "--port", str(port),
+               "--max-queued", "100000", "--queue-timeout", "60", "--max-sessions", "100000", *args.server_arg]
+    log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"ws://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"serve exited with code {server.returncode} (see --server-log)")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return server, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"serve was not ready within {args.startup_timeout} s")
+
+
+def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, held: int = 0) -> dict[str, object]:
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
+    start_at = time.monotonic() + 2.0  # every client process is up by then
+    total = args.warmup + args.duration
+    clients = [
+        context.Process(target=client_process, args=(ClientPlan(
+            url, transport, rate / args.clients, total, seed=1000 * i + int(rate * 10), voice=args.voice,
+            language=args.language, frames=args.frames, api_key=args.api_key, start_at=start_at,
+            held=held // args.clients + (1 if i < held % args.clients else 0),
+        ), results))
+        for i in range(args.clients)
+    ]
+    before = scrape(url, args.api_key)
+    for c in clients:
+        c.start()
+    records: list[Record] = []
+    for _ in clients:
+        records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
+    for c in clients:
+        c.join()
+    after = scrape(url, args.api_key)
+    window = (start_at + args.warmup, start_at + total)
+    summary = summarize(records, window)
+    if held:
+        summary["held_streams"] = held
+    summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
+                   server_metrics={k: after[k] - before.get(k, 0.0) for k in after if "total" in k or k.endswith("_sum")})
+    return summary
+
+
+def print_summary(summary: dict[str, object]) -> None:
+    fa = summary["first_audio_ms"]
+    print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
+          f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
+          f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:tiny")
+    parser.add_argument("--url", help="a running server (ws://host:port); otherwise serve is started here")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra argument for serve (repeatable)")
+    parser.add_argument("--server-log", help="write serve's output here")
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--api-key")
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0])
+    parser.add_argument("--held", type=int, nargs="*", default=[], help="closed loop: streams held at once")
+    parser.add_argument("--transports", nargs="+", default=["ws"], choices=["ws", "http"])
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals before the window")
+    parser.add_argument("--duration", type=float, default=60.0, help="measured window, seconds of arrivals")
+    parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument("--frames", type=int, default=100, help="frames per utterance (100 = 8 s)")
+    parser.add_argument("--voice")
+    parser.add_argument("--language", default="english")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    server = None
+    url = args.url
+    try:
+        if url is None:
+            server, url = start_server(args)
+        report: dict[str, object] = {
+            "command": " ".join(sys.argv), "model": args.model, "host": platform.node(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": [],
+        }
+        for transport in args.transports:
+            for rate in args.rates:
+                print(f"[{time.strftime('%H:%M:%S')}] {transport} at {rate:g} req/s ...", flush=True)
+                summary = run_rate(args, url, rate, transport)
+                report["runs"].append(summary)  # type: ignore[union-attr]
+                print_summary(summary)
+            for held in args.held:
+                print(f"[{time.strftime('%H:%M:%S')}] {transport}, {held} streams held ...", flush=True)
+                summary = run_rate(args, url, 0.0, transport, held=held)
+                report["runs"].append(summary)  # type: ignore[union-attr]
+                print_summary(summary)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2))
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

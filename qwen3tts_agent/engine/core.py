@@ -1,0 +1,577 @@
+"""The engine core: one thread owns the model and steps every live request together, frame by frame.
+
+Requests reach it only as typed messages (`engine/messages.py`) that it applies between frames, and it
+answers only through an `OutputSink` (audio chunks, endings), so a cancel takes effect at the next frame
+boundary, a new request joins the running batch at the next step, and nothing here knows of streams,
+event loops or sockets. The same core runs on a thread of the caller's process (`Engine`) or in a
+process of its own (`engine/process.py`).
+
+Each turn of the loop: apply messages; admit waiting requests and prefill their prompts on a lane of their
+own (so a new stream's prompt runs beside the step in flight, not behind it); feed newly final text; queue
+the next frame step when the pacer says so; read the steps that completed and start decoding the chunks
+that are due, most urgent first; hand decoded audio out. The loop never blocks on the device while work is
+queued: it polls, waiting on its message queue in between, so a request that arrives is seen at once.
+
+Faults stay as small as they can: a bad message or a prompt that cannot be built fails its request only;
+a failed prefill fails its batch; a failed step fails the requests in flight. If steps keep failing, or
+the device reports a fault that poisons its context, the loop stops, ends every request with
+`EngineDeadError`, and whoever owns the core decides whether to restart it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import (
+    EngineClosedError,
+    EngineDeadError,
+    InvalidTextError,
+    Qwen3TTSAgentError,
+)
+from .audio import AudioPipeline
+from .cuda_graphs import GraphedFrameStep, GraphedPrefill, power_of_two_buckets
+from .messages import (
+    AbortRequest,
+    AddRequest,
+    AppendText,
+    ChunkOutput,
+    CloseInput,
+    CoreRequest,
+    ErrorInfo,
+    FinishOutput,
+)
+from .prompt import PromptBuilder, PromptSpec
+from .runner import ModelRunner, PrefillRow
+from .sampling import DEFAULT_TOP_K_CAP
+from .scheduler import PrefillPlan, PromptShape, RequestState, Scheduler, StepPacer
+from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Prompts prefilled together in one batched forward: a batch costs the running streams about one frame.
+MAX_PREFILL_ROWS = 16
+# Consecutive failed steps after which the loop gives up (the device is not coming back by itself).
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+class OutputSink(Protocol):
+    """Where the core's outputs go; called on the core's thread, so implementations must not block."""
+
+    def chunk(self, output: ChunkOutput) -> None: ...
+
+    def finish(self, output: FinishOutput) -> None: ...
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Sizes and switches of one engine core (see `Engine` for what each means to a caller)."""
+
+    max_streams: int = 16
+    max_seq_len: int = 2048
+    chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
+    keep_codes: bool = False
+    use_cuda_graphs: bool = True
+    overlap_codec: bool = True
+    fused_kernels: bool = True
+    top_k_cap: int = DEFAULT_TOP_K_CAP
+    poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
+    adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
+
+
+@dataclass
+class _InFlightStep:
+    seq: int
+    rows: list[RequestState]
+    host: torch.Tensor  # pinned copy of the runner's frame_out: 16 codes, then the EOS flag, per slot
+    started: torch.cuda.Event | None
+    done: torch.cuda.Event | None
+
+
+@dataclass
+class CoreStats:
+    frames_generated: int = 0
+    streams_started: int = 0
+    cancels: int = 0
+    errors: int = 0
+    steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
+
+
+class EngineCore:
+    """The step loop over a `Scheduler`, a `ModelRunner` and an `AudioPipeline`."""
+
+    def __init__(self, model: torch.nn.Module, role_ids: list[int], config: CoreConfig, sink: OutputSink) -> None:
+        self.config = config
+        self._sink = sink
+        self.device = next(model.talker.parameters()).device
+        self.prompts = PromptBuilder(model, role_ids)
+        # one text-track token per frame at most, so a track never outgrows the cache
+        self.runner = ModelRunner(
+            model, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
+            max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap, fused_kernels=config.fused_kernels,
+        )
+        self.scheduler = Scheduler(
+            max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
+            max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
+            adapt_chunks=config.adapt_chunks,
+        )
+        self.pacer = StepPacer()
+        cuda = self.device.type == "cuda"
+        graphed = cuda and config.use_cuda_graphs
+        self.audio = AudioPipeline(
+            model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
+            chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec,
+        )
+        # Steps and prompts run on streams of the highest priority, so codec work only fills their gaps; the
+        # prompt lane is separate from the steps' stream, so a new prompt runs beside the step in flight.
+        self._step_stream: torch.cuda.Stream | None = None
+        self._prefill_stream: torch.cuda.Stream | None = None
+        if cuda:
+            _, highest = torch.cuda.Stream.priority_range()
+            self._step_stream = torch.cuda.Stream(self.device, priority=highest)
+            self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
+        self._specs: dict[str, PromptSpec] = {}
+        self._sampling: dict[str, SamplingParams] = {}
+        self._text_wait: dict[str, float] = {}
+        self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
+        self._frame_graphs: GraphedFrameStep | None = None
+        self._prefill_graphs: GraphedPrefill | None = None
+        if graphed:
+            kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
+            self._frame_graphs = GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets)
+            self._prefill_graphs = GraphedPrefill(
+                self.runner,
+                power_of_two_buckets(min(MAX_PREFILL_ROWS, config.max_streams)),
+                [t for t in (32, 64, 128, 256) if t <= config.max_seq_len] or [config.max_seq_len],
+                [k for k in kv_buckets if k <= 512] or kv_buckets[:1],
+                max_tokens=2048,
+            )
+        pin = cuda
+        groups = self.runner.num_groups
+        self._host_out = [torch.zeros(config.max_streams, groups + 1, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
+        self._host_active = [torch.zeros(config.max_streams, dtype=torch.bool, pin_memory=pin) for _ in range(3)]
+        self._active_slots: list[int] | None = None  # the slots `runner.active` holds, so unchanged ones aren't re-sent
+        self._out_index = 0
+        self._in_flight: list[_InFlightStep] = []
+        self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
+        self.stats = CoreStats()
+        self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
+        self._failures = 0
+        self._stopping = False
+
+    # ----------------------------------------------------------------- the caller's side (any thread)
+    def submit(self, message: CoreRequest) -> None:
+        self._messages.put(message)
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the core's thread between steps (graph capture must not race device work)."""
+        future: Future[Any] = Future()
+        self._messages.put(_Control(fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._messages.put(_Control(None, None))
+
+    def capture_graphs(self, progress: bool) -> None:
+        """Capture every CUDA graph (frame, prefill, both codec lanes); on the core's thread."""
+        for graphs in (self._frame_graphs, self._prefill_graphs):
+            if graphs is not None:
+                graphs.capture(progress=progress)
+        self.audio.capture(progress)
+
+    @property
+    def graphs_captured(self) -> bool:
+        return self._frame_graphs is None or self._frame_graphs.captured
+
+    def open_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ----------------------------------------------------------------- the loop (the core's thread)
+    def run(self) -> None:
+        """Serve until `stop()`; ends every live request before returning, also when the loop dies."""
+        torch.set_grad_enabled(False)
+        if self._step_stream is not None:
+            torch.cuda.synchronize(self.device)  # state tensors were made on the loading thread's stream
+            torch.cuda.set_stream(self._step_stream)
+        failure: BaseException | None = None
+        try:
+            while not self._stopping:
+                self._turn()
+        except BaseException as exc:
+            failure = exc
+            logger.exception("engine core stopped")
+            raise
+        finally:
+            error: Qwen3TTSAgentError = (
+                EngineClosedError("engine is closed") if failure is None
+                else EngineDeadError(f"the engine core stopped: {type(failure).__name__}: {failure}")
+            )
+            for request in self.scheduler.live():
+                self._end(request, FinishReason.ERROR, error)
+            self._drain_after_stop(error)
+
+    def _turn(self) -> None:
+        started = time.perf_counter()
+        self._apply_messages(block=False)
+        progressed = self._prompts()
+        started = self._timed("prompts", started)
+        try:
+            progressed |= self._launch()
+            started = self._timed("launch", started)
+            progressed |= self._collect()
+            started = self._timed("collect", started)
+            progressed |= self._deliver()
+            started = self._timed("deliver", started)
+        except Exception as exc:  # noqa: BLE001 - the core must outlive any one bad step
+            self._step_failed(exc)
+            return
+        if not progressed:
+            self._wait()
+            self._timed("wait", started)
+
+    def _wait(self) -> None:
+        """Nothing moved this turn: wait for a message, briefly while the device works, else until one comes."""
+        busy = bool(self._in_flight) or self.audio.busy or bool(self.scheduler.runnable())
+        self._apply_messages(block=True, timeout=self.config.poll_interval_s if busy else None)
+
+    def _apply_messages(self, *, block: bool, timeout: float | None = None) -> None:
+        try:
+            message = self._messages.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._apply(message)
+            try:
+                message = self._messages.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, message: CoreRequest | _Control) -> None:
+        if isinstance(message, _Control):
+            if message.fn is None:
+                self._stopping = True
+                return
+            assert message.future is not None
+            try:
+                message.future.set_result(message.fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                message.future.set_exception(exc)
+            return
+        request = self.scheduler.get(message.request_id) if not isinstance(message, AddRequest) else None
+        try:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif request is None:
+                return  # ended meanwhile (finished, failed, aborted): late text or a second cancel
+            elif isinstance(message, AppendText):
+                self.scheduler.append_text(request, message.token_ids)
+            elif isinstance(message, CloseInput):
+                self.scheduler.close_input(request, message.token_ids)
+            elif isinstance(message, AbortRequest):
+                self.stats.cancels += 1
+                self._end(request, FinishReason.CANCELLED)
+        except Exception as exc:  # noqa: BLE001 - one bad message fails its request only
+            failed = request or self.scheduler.get(message.request_id)
+            if failed is not None:
+                self._end(failed, FinishReason.ERROR, exc)
+            else:
+                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, _error_info(exc), exception=exc))
+
+    def _add(self, message: AddRequest) -> None:
+        spec = message.spec
+        icl = spec.clone.ref_codes if spec.icl and spec.clone is not None else None
+        shape = PromptShape(
+            layout=spec.layout,
+            icl_codec_len=None if icl is None else 1 + int(icl.shape[0]),  # type: ignore[attr-defined]
+            ref_text_len=len(spec.ref_text_ids),
+        )
+        request = RequestState(
+            message.request_id, shape, message.chunk_schedule, message.submitted,
+            max_frames=message.sampling.max_frames, runaway_guard=not message.sampling.ignore_eos,
+        )
+        self.scheduler.add(request)
+        self._specs[request.request_id] = spec
+        self._sampling[request.request_id] = message.sampling
+        self.stats.streams_started += 1
+
+    # ----------------------------------------------------------------- prompts
+    def _prompts(self) -> bool:
+        """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
+        now = time.perf_counter()
+        admitted = self.scheduler.admit(now)
+        plans = self.scheduler.prefill_plans()
+        if admitted or plans:
+            with self._lane(self._prefill_stream):
+                for request in admitted:
+                    self._guarded(request, self._set_up, request)
+                rows = []
+                for plan in plans:
+                    if self.scheduler.is_live(plan.request):
+                        row = self._guarded(plan.request, self._prompt_row, plan)
+                        if row is not None:
+                            rows.append((plan, row))
+                if rows:
+                    self._prefill(rows)
+                if self._prefill_stream is not None:
+                    done = torch.cuda.Event()
+                    done.record()
+            if self._prefill_stream is not None:
+                # Everything later on the steps' stream (text for running streams, the next step with the new
+                # rows) follows this prompt work: a slot's text length is then never written out of order.
+                torch.cuda.current_stream().wait_event(done)
+        feeds = self.scheduler.text_feeds()
+        for request, ids in feeds:  # running streams' text: on the steps' stream, ordered with their frames
+            self._guarded(request, self._feed, request, ids)
+        return bool(admitted or plans or feeds)
+
+    def _set_up(self, request: RequestState) -> None:
+        slot = request.slot
+        assert slot is not None
+        spec = self._specs[request.request_id]
+        self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
+        self.audio.start(request.request_id, spec)
+
+    def _prompt_row(self, plan: PrefillPlan) -> PrefillRow:
+        request = plan.request
+        spec = self._specs[request.request_id]
+        body = None
+        if plan.body_ids is not None:
+            if request.closed and not plan.body_ids:
+                raise InvalidTextError("text is empty")
+            body = self.prompts.body(spec, plan.body_ids, request.closed)
+        parts = [p for p in (self.prompts.head(spec) if plan.head else None, body.embeds if body else None) if p is not None]
+        embeds = torch.cat(parts) if len(parts) > 1 else parts[0]
+        needed = request.position + embeds.shape[0]
+        if needed >= self.runner.max_seq_len:
+            raise InvalidTextError(
+                f"the prompt needs {needed} positions; this engine holds {self.runner.max_seq_len} "
+                "(shorten the text or raise max_seq_len)"
+            )
+        assert request.slot is not None
+        self._trailing[request.request_id] = body.trailing_ids if body is not None else []
+        return PrefillRow(request.slot, request.position, embeds, body is not None)
+
+    def _prefill(self, rows: list[tuple[PrefillPlan, PrefillRow]]) -> None:
+        prefill_rows = [row for _, row in rows]
+        try:
+            graphs = self._prefill_graphs
+            if graphs is None or not graphs.captured or not graphs(prefill_rows):
+                self.runner.prefill(prefill_rows)
+        except Exception as exc:  # noqa: BLE001 - a failed prefill (e.g. out of memory) fails its batch only
+            logger.exception("prefill of %d prompts failed", len(rows))
+            for plan, _ in rows:
+                self._end(plan.request, FinishReason.ERROR, exc)
+            return
+        now = time.perf_counter()
+        for plan, row in rows:
+            request = plan.request
+            self.scheduler.on_prefilled(plan, row.embeds.shape[0], now)
+            trailing = self._trailing.pop(request.request_id, [])
+            if plan.body_ids is not None:
+                self._text_wait[request.request_id] = now - max(request.admitted_at, request.submitted)
+                self._guarded(request, self._feed, request, trailing)
+
+    def _feed(self, request: RequestState, ids: list[int]) -> None:
+        if not self.scheduler.track_room(request, ids):
+            raise InvalidTextError(f"text longer than {self.scheduler.max_text_tokens} tokens")
+        if ids:
+            assert request.slot is not None
+            self.runner.append_text(request.slot, request.track_len, ids)
+        self.scheduler.on_fed(request, ids)
+
+    # ----------------------------------------------------------------- steps
+    def _launch(self) -> bool:
+        """Queue one frame for every runnable request, when the pacer says the device is about to need it."""
+        now = time.perf_counter()
+        if not self.pacer.may_launch(now):
+            return False
+        rows = self.scheduler.runnable()
+        if not rows:
+            return False
+        runner = self.runner
+        b = max(r.slot for r in rows) + 1  # type: ignore[type-var]
+        kv_len = max(r.position for r in rows) + 1
+        slots = sorted(r.slot for r in rows)  # type: ignore[type-var]
+        # three host buffers (for the active flags and the results): one being read, up to two steps in flight
+        index = self._out_index
+        self._out_index = (index + 1) % len(self._host_out)
+        if slots != self._active_slots:
+            active = self._host_active[index].numpy()  # the pinned buffer itself: one write, not an op per row
+            active[:] = False
+            active[slots] = True
+            runner.active.copy_(self._host_active[index], non_blocking=True)
+            self._active_slots = slots
+        started = done = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        graphs = self._frame_graphs
+        if graphs is not None and graphs.captured:
+            b, kv_len = graphs.bucket(b, kv_len)
+            graphs(b, kv_len)
+        else:
+            in_batch = [self._sampling[r.request_id] for r in self.scheduler.running.values() if r.slot < b]  # type: ignore[operator]
+            runner.frame_step(
+                b, kv_len,
+                talker_sampling=any(s.do_sample for s in in_batch),
+                predictor_sampling=any(s.subtalker_do_sample for s in in_batch),
+            )
+        host = self._host_out[index]
+        host[:b].copy_(runner.frame_out[:b], non_blocking=True)
+        if started is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        seq = self.scheduler.on_launched(rows)
+        if started is None:  # no device events: the step ran synchronously, now is its end
+            self.scheduler.record_step_time(time.perf_counter() - now)
+        self.pacer.launched(b, now)
+        self.stats.steps += 1
+        self._in_flight.append(_InFlightStep(seq, rows, host, started, done))
+        return True
+
+    def _collect(self) -> bool:
+        """Read every completed step (oldest first) and start decoding the chunks that are due."""
+        progressed = False
+        while self._in_flight and (self._in_flight[0].done is None or self._in_flight[0].done.query()):
+            step = self._in_flight.pop(0)
+            gpu_seconds = None if step.started is None else step.started.elapsed_time(step.done) / 1000  # type: ignore[arg-type]
+            self.pacer.completed(gpu_seconds)
+            if gpu_seconds is not None:
+                self.scheduler.record_step_time(gpu_seconds)
+            out = step.host.numpy()
+            now = time.perf_counter()
+            self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
+            plans = self.scheduler.on_frame(step.rows, out[:, :-1], out[:, -1], now)
+            self.scheduler.on_step_done(step.seq)
+            self._failures = 0  # a step came through: the device works
+            if plans:
+                self.audio.decode(plans, now)
+            progressed = True
+        return progressed
+
+    def _deliver(self) -> bool:
+        """Hand decoded chunks to their requests; end requests whose last chunk this was."""
+        progressed = False
+        for plan, pcm in self.audio.finished():
+            progressed = True
+            request = plan.request
+            if not self.scheduler.is_live(request):
+                continue  # cancelled or failed meanwhile: nothing more for it
+            now = time.perf_counter()
+            self.scheduler.on_delivered(plan, now)
+            timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
+            output = ChunkOutput(
+                request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
+            )
+            try:
+                self._sink.chunk(output)
+            except Exception:  # noqa: BLE001 - a consumer's failure must not reach other streams
+                logger.exception("output sink failed for request %s", request.request_id)
+            if plan.is_last:
+                self._end(request, request.finish_reason or FinishReason.EOS)
+        if progressed:
+            self.audio.pump(time.perf_counter())  # the codec lane has room again
+        return progressed
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step, a collect or a decode raised: fail what was in flight, and stop if the device is gone."""
+        logger.exception("engine step failed; failing the requests in it")
+        self._in_flight.clear()
+        self.pacer.clear()
+        self.audio.clear()
+        self.scheduler.on_steps_abandoned()
+        for request in self.scheduler.live():
+            if request.slot is not None or request in self.scheduler.finishing:
+                self._end(request, FinishReason.ERROR, exc)
+        self._failures += 1
+        if _poisons_device(exc) or self._failures >= MAX_CONSECUTIVE_FAILURES:
+            raise EngineDeadError(f"giving up after {self._failures} failed steps: {type(exc).__name__}: {exc}") from exc
+
+    # ----------------------------------------------------------------- endings
+    def _end(self, request: RequestState, reason: FinishReason, error: BaseException | None = None) -> None:
+        """End a request now and send its `FinishOutput` (exactly once)."""
+        if not self.scheduler.is_live(request):
+            return
+        self.scheduler.finish(request, reason)
+        rid = request.request_id
+        self.audio.drop(rid)
+        self._specs.pop(rid, None)
+        self._sampling.pop(rid, None)
+        self._trailing.pop(rid, None)
+        if error is not None:
+            self.stats.errors += 1
+            if not isinstance(error, Qwen3TTSAgentError):
+                logger.error("request %s failed: %r", rid, error)
+        self._sink_finish(FinishOutput(
+            rid, reason, None if error is None else _error_info(error), frames=request.frames,
+            queue_wait=max(0.0, request.admitted_at - request.submitted) if request.admitted_at else 0.0,
+            text_wait=self._text_wait.pop(rid, 0.0), codes=request.codes, exception=error,
+        ))
+
+    def _sink_finish(self, output: FinishOutput) -> None:
+        try:
+            self._sink.finish(output)
+        except Exception:  # noqa: BLE001
+            logger.exception("output sink failed to end request %s", output.request_id)
+
+    def _drain_after_stop(self, error: Qwen3TTSAgentError) -> None:
+        """Answer what is still queued after the loop stopped: requests end, calls fail."""
+        while True:
+            try:
+                message = self._messages.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, AddRequest):
+                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, _error_info(error), exception=error))
+            elif isinstance(message, _Control) and message.future is not None:
+                message.future.set_exception(error)
+
+    def _guarded(self, request: RequestState, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one request's piece of work; its failure fails that request only."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            self._end(request, FinishReason.ERROR, exc)
+            return None
+
+    def _lane(self, stream: torch.cuda.Stream | None) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else _no_lane()
+
+    def _timed(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.loop_seconds[phase] += now - since
+        return now
+
+
+@dataclass(frozen=True)
+class _Control:
+    """A call to run on the core's thread (`fn`), or the stop signal (`fn` None)."""
+
+    fn: Callable[[], Any] | None
+    future: Future[Any] | None
+
+
+class _no_lane:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _error_info(exc: BaseException) -> ErrorInfo:
+    return ErrorInfo(type(exc).__name__, str(exc) or type(exc).__name__)
+
+
+def _poisons_device(exc: BaseException) -> bool:
+    """Whether an error leaves the CUDA context unusable (an illegal access, a launch failure: not an OOM)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "device-side assert" in str(exc))

@@ -1,0 +1,458 @@
+"""The engine's decisions, without tensors: who takes a slot, what to prefill, who steps, which audio to decode.
+
+The core (`engine/core.py`) asks the scheduler what to do, does it on the device, and reports back what
+came out (a step's codes and end flags, a prefill's length, a chunk delivered). Everything here is plain
+Python over host-side request state, so `tests/test_scheduler.py` drives it with made-up step outputs.
+
+Deadlines. A client plays a stream from its first chunk on, in real time, so once the first chunk has
+left, the next chunk is needed by `first_audio + delivered_frames * 80 ms`. The time left until then is
+the stream's slack. Chunks due for decoding are handed to the core most urgent first (first chunks, then
+by deadline), and a stream whose slack runs short gets its pending frames decoded at once rather than
+waiting to fill its next scheduled chunk. Overload is refused at admission (`overloaded`) while admitted
+streams still have slack, instead of letting every stream starve a little.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .types import FinishReason, TextLayout
+
+FRAME_SECONDS = 0.08  # one codec frame of audio
+# The runaway guard (no explicit max_frames): at most this many frames, plus this many per text token.
+# Speech runs about 3-4 frames per text token; twice a slow speaker's rate plus two seconds is generous.
+RUNAWAY_BASE_FRAMES = 25
+RUNAWAY_FRAMES_PER_TOKEN = 8
+# A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
+URGENT_SLACK_S = 0.04
+# Refuse new streams while a step takes longer than a frame's duration divided by this...
+MIN_STEP_RATE_OVER_REAL_TIME = 1.5
+# ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
+LATE_WINDOW_S = 1.0
+LATE_CHUNKS_TO_SHED = 3
+
+
+def runaway_frame_limit(text_tokens: int) -> int:
+    """The frames a closed text of `text_tokens` tokens may take before the runaway guard ends it."""
+    return RUNAWAY_BASE_FRAMES + RUNAWAY_FRAMES_PER_TOKEN * text_tokens
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """What decides when a prompt's text-dependent body can be built (see `PromptBuilder.body`)."""
+
+    layout: TextLayout
+    icl_codec_len: int | None = None  # codec_bos + reference frames, for an in-context clone
+    ref_text_len: int = 0  # reference transcript tokens, for an in-context clone
+
+    def body_ready(self, n_text: int, closed: bool) -> bool:
+        """Whether the body can be built from `n_text` final target tokens."""
+        if closed:
+            return True
+        if self.layout is TextLayout.PREFILL:
+            return False
+        if self.icl_codec_len is not None:
+            return self.ref_text_len + n_text >= self.icl_codec_len
+        return n_text >= 1
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Host-side state of one request in the core."""
+
+    request_id: str
+    shape: PromptShape
+    chunk_schedule: tuple[int, ...]
+    submitted: float
+    max_frames: int | None = None  # the caller's cap
+    runaway_guard: bool = True  # bound the frames by the text's length too (off for fixed-length output)
+    text_ids: list[int] = field(default_factory=list)  # final target tokens so far
+    closed: bool = False
+    slot: int | None = None
+    admitted_at: float = 0.0
+    head_done: bool = False
+    body_done: bool = False
+    consumed: int = 0  # target tokens already placed in the prompt body or handed to the text track
+    track_len: int = 0  # text-track tokens handed to the runner
+    eos_fed: bool = False
+    position: int = 0  # talker cache length, mirrored on the host to size attention without a sync
+    frames: int = 0  # frames received
+    frames_launched: int = 0  # frames queued on the device (may run one step ahead)
+    chunk_index: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)  # codes [16] not yet decoded
+    pending_start: int = 0
+    prefill_done: float = 0.0
+    first_frame: float = 0.0
+    first_audio: float = 0.0  # when its first chunk left the core
+    delivered_frames: int = 0
+    finish_reason: FinishReason | None = None
+    codes: list[list[int]] = field(default_factory=list)  # every frame's codes, when the scheduler keeps them
+
+    @property
+    def next_chunk_frames(self) -> int:
+        return self.chunk_schedule[min(self.chunk_index, len(self.chunk_schedule) - 1)]
+
+    @property
+    def frame_limit(self) -> int | None:
+        """Frames this request may make: its max_frames and, once all text is in, the runaway guard's bound."""
+        guard = runaway_frame_limit(len(self.text_ids)) if self.closed and self.runaway_guard else None
+        limits = [limit for limit in (self.max_frames, guard) if limit is not None]
+        return min(limits) if limits else None
+
+    def deadline(self) -> float | None:
+        """When its next chunk must have left for a client playing from the first chunk; None before that."""
+        if not self.first_audio:
+            return None
+        return self.first_audio + self.delivered_frames * FRAME_SECONDS
+
+    def take_pending(self, n_frames: int) -> np.ndarray:
+        codes = np.stack(self.pending[:n_frames])
+        del self.pending[:n_frames]
+        self.pending_start += n_frames
+        self.chunk_index += 1
+        return codes
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Prefill a request's prompt now: its head (if not done yet) and, with `body_ids`, its body too."""
+
+    request: RequestState
+    head: bool
+    body_ids: list[int] | None  # final target tokens the body is built from; None: head only
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Decode `codes` (frames [frame_start, frame_start + n)) of a request now."""
+
+    request: RequestState
+    codes: np.ndarray  # [n, 16]
+    frame_start: int
+    is_first: bool
+    is_last: bool
+
+    @property
+    def n_frames(self) -> int:
+        return int(self.codes.shape[0])
+
+
+@dataclass
+class SchedulerStats:
+    late_chunks: int = 0
+    underrun_seconds: float = 0.0
+    step_seconds: float = 0.0  # moving average of a batched step's time on the device
+
+
+class Scheduler:
+    """Slots, prompt progress, step membership, chunking and deadlines of every live request."""
+
+    def __init__(
+        self,
+        *,
+        max_slots: int,
+        max_seq_len: int,
+        max_text_tokens: int,
+        max_prefill_rows: int = 16,
+        eos_token_id: int,
+        keep_codes: bool = False,
+        adapt_chunks: bool = True,
+    ) -> None:
+        """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
+        than keep to its chunk schedule (which an engine slower than the schedule assumes would starve)."""
+        self.max_slots = max_slots
+        self.max_seq_len = max_seq_len
+        self.max_text_tokens = max_text_tokens
+        self.max_prefill_rows = max_prefill_rows
+        self.eos_token_id = eos_token_id  # the text track's end token (tts_eos)
+        self.keep_codes = keep_codes  # every frame's codes stay on the request (parity tests)
+        self.adapt_chunks = adapt_chunks
+        self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
+        self.running: dict[int, RequestState] = {}  # slot -> request
+        self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
+        self.requests: dict[str, RequestState] = {}
+        self._free_slots = list(range(max_slots))
+        heapq.heapify(self._free_slots)
+        # A released slot may still be a live row of a step in flight; it is reused only after that step
+        # has completed, so a new request's set-up (on the prefill lane) never races the old request's frame.
+        self._quarantine: list[tuple[int, int]] = []  # (last step that may hold it, slot)
+        self._launched_steps = 0
+        self._completed_steps = 0
+        self.stats = SchedulerStats()
+        self._late_at: collections.deque[float] = collections.deque()  # recent late deliveries
+
+    # ----------------------------------------------------------------- requests
+    def add(self, request: RequestState) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} already exists")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self.requests.get(request_id)
+
+    def is_live(self, request: RequestState) -> bool:
+        """Whether its outputs still matter (not finished, cancelled or failed)."""
+        return self.requests.get(request.request_id) is request
+
+    def append_text(self, request: RequestState, token_ids: Iterable[int]) -> None:
+        if request.closed:
+            raise ValueError("text after the input was closed")
+        request.text_ids.extend(token_ids)
+
+    def close_input(self, request: RequestState, token_ids: Iterable[int]) -> None:
+        request.text_ids.extend(token_ids)
+        request.closed = True
+
+    def finish(self, request: RequestState, reason: FinishReason) -> None:
+        """End a request at once (cancel, error): it leaves every queue; no more of its audio is decoded."""
+        request.finish_reason = reason
+        self._release(request)
+        if request in self.finishing:
+            self.finishing.remove(request)
+        self.requests.pop(request.request_id, None)
+
+    def _release(self, request: RequestState) -> None:
+        """Give the slot back, for reuse once no step in flight can hold it."""
+        if request.slot is not None:
+            self.running.pop(request.slot, None)
+            if self._launched_steps <= self._completed_steps:
+                heapq.heappush(self._free_slots, request.slot)
+            else:
+                self._quarantine.append((self._launched_steps, request.slot))
+            request.slot = None
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    # ----------------------------------------------------------------- admission and prompts
+    def admit(self, now: float) -> list[RequestState]:
+        """Give waiting requests free slots, oldest first, at most a prefill batch of them per call."""
+        admitted: list[RequestState] = []
+        while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
+            request = self.waiting.pop(0)
+            request.slot = heapq.heappop(self._free_slots)
+            request.admitted_at = now
+            self.running[request.slot] = request
+            admitted.append(request)
+        return admitted
+
+    def prefill_plans(self) -> list[PrefillPlan]:
+        """Prompt pieces ready to run: heads of admitted requests, and bodies whose text is final enough."""
+        plans: list[PrefillPlan] = []
+        for request in self.running.values():
+            if request.body_done or request.finish_reason is not None:
+                continue
+            if len(plans) >= self.max_prefill_rows:
+                break
+            body = request.shape.body_ready(len(request.text_ids), request.closed)
+            if body or not request.head_done:
+                plans.append(PrefillPlan(request, not request.head_done, list(request.text_ids) if body else None))
+        return plans
+
+    def on_prefilled(self, plan: PrefillPlan, positions: int, now: float) -> None:
+        """A plan's prompt piece ran: `positions` cache positions were written."""
+        request = plan.request
+        request.head_done = True
+        request.position += positions
+        if plan.body_ids is not None:
+            request.body_done = True
+            request.prefill_done = now
+            request.consumed = len(plan.body_ids)
+
+    def text_feeds(self) -> list[tuple[RequestState, list[int]]]:
+        """Newly final text (and the text's end, once closed) to append to running requests' text tracks."""
+        feeds = []
+        for request in self.running.values():
+            if not request.body_done or request.finish_reason is not None:
+                continue
+            ids = request.text_ids[request.consumed :]
+            request.consumed = len(request.text_ids)
+            if request.closed and not request.eos_fed:
+                ids = [*ids, self.eos_token_id]
+            if ids:
+                feeds.append((request, ids))
+        return feeds
+
+    def track_room(self, request: RequestState, ids: Sequence[int]) -> bool:
+        return request.track_len + len(ids) <= self.max_text_tokens
+
+    def on_fed(self, request: RequestState, ids: Sequence[int]) -> None:
+        request.track_len += len(ids)
+        if request.closed:
+            request.eos_fed = True
+
+    # ----------------------------------------------------------------- steps
+    def runnable(self) -> list[RequestState]:
+        """Requests that can take one more frame now: prompt done, frame budget and cache room left, text known."""
+        rows = []
+        for request in self.running.values():
+            limit = request.frame_limit
+            if (
+                request.body_done
+                and request.finish_reason is None
+                and (limit is None or request.frames_launched < limit)
+                and request.position < self.max_seq_len
+                and (request.eos_fed or request.frames_launched < request.track_len)
+            ):
+                rows.append(request)
+        return rows
+
+    def on_launched(self, rows: Sequence[RequestState]) -> int:
+        """A step with these rows was queued on the device; returns its sequence number."""
+        self._launched_steps += 1
+        for request in rows:
+            request.position += 1
+            request.frames_launched += 1
+        return self._launched_steps
+
+    def record_step_time(self, seconds: float) -> None:
+        """How long a step took on the device: steps near a frame's duration leave streams no headroom."""
+        ema = self.stats.step_seconds
+        self.stats.step_seconds = seconds if ema == 0.0 else 0.9 * ema + 0.1 * seconds
+
+    def on_step_done(self, seq: int) -> None:
+        """Step `seq` (and every step before it) has completed on the device: its slots are free to reuse."""
+        self._completed_steps = max(self._completed_steps, seq)
+        keep = []
+        for last, slot in self._quarantine:
+            if last <= self._completed_steps:
+                heapq.heappush(self._free_slots, slot)
+            else:
+                keep.append((last, slot))
+        self._quarantine = keep
+
+    def on_steps_abandoned(self) -> None:
+        """Steps in flight were dropped (a failed step): nothing on the device holds a slot any more."""
+        self.on_step_done(self._launched_steps)
+
+    def on_frame(
+        self, rows: Sequence[RequestState], codes: np.ndarray, finished: np.ndarray, now: float
+    ) -> list[ChunkPlan]:
+        """A step's results (codes [slots, 16] and end flags [slots], by slot): chunks due, most urgent first.
+
+        Requests that ended while the step was in flight (cancel, error) are skipped: their frame is dropped.
+        """
+        for request in rows:
+            slot = request.slot
+            if request.finish_reason is not None or slot is None:
+                continue
+            if request.frames == 0:
+                request.first_frame = now
+            request.pending.append(codes[slot].copy())
+            if self.keep_codes:
+                request.codes.append(codes[slot].tolist())
+            request.frames += 1
+            limit = request.frame_limit
+            if finished[slot]:
+                request.finish_reason = FinishReason.EOS
+            elif limit is not None and request.frames >= limit:
+                capped = request.max_frames is not None and request.frames >= request.max_frames
+                request.finish_reason = FinishReason.MAX_FRAMES if capped else FinishReason.LENGTH
+            elif request.position >= self.max_seq_len and request.frames == request.frames_launched:
+                request.finish_reason = FinishReason.MAX_FRAMES  # the KV cache is full
+        plans = []
+        for request in list(self.running.values()):
+            plan = self._due_chunk(request, now)
+            if plan is not None:
+                plans.append(plan)
+            if request.finish_reason is not None:
+                self._release(request)
+                self.finishing.append(request)
+        return sorted(plans, key=lambda p: urgency(p, now))
+
+    def _due_chunk(self, request: RequestState, now: float) -> ChunkPlan | None:
+        if not request.pending:
+            return None
+        ended = request.finish_reason is not None
+        deadline = request.deadline()
+        urgent = self.adapt_chunks and deadline is not None and deadline - now < URGENT_SLACK_S
+        if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
+            return None
+        n = len(request.pending) if ended or urgent else request.next_chunk_frames
+        start = request.pending_start
+        first = request.chunk_index == 0
+        return ChunkPlan(request, request.take_pending(n), start, first, ended and not request.pending)
+
+    # ----------------------------------------------------------------- delivery and load
+    def on_delivered(self, plan: ChunkPlan, now: float) -> None:
+        """A chunk's audio left the core: book its lateness against the stream's real-time schedule."""
+        request = plan.request
+        deadline = request.deadline()
+        if deadline is None:
+            request.first_audio = now
+        elif now > deadline:
+            self.stats.late_chunks += 1
+            self.stats.underrun_seconds += now - deadline
+            self._late_at.append(now)
+        request.delivered_frames = plan.frame_start + plan.n_frames
+
+    def overloaded(self, now: float) -> bool:
+        """Whether new streams should be refused: steps are slow, or several chunks left late a moment ago."""
+        while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
+            self._late_at.popleft()
+        slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
+        return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
+
+    def live(self) -> list[RequestState]:
+        return list(self.requests.values())
+
+
+def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
+    """First chunks first (oldest request first), then the earliest deadline."""
+    if plan.is_first:
+        return (0, plan.request.submitted)
+    deadline = plan.request.deadline()
+    return (1, deadline if deadline is not None else now)
+
+
+class StepPacer:
+    """When to queue the next frame step on the device.
+
+    Queued too early, a step shuts out every request that arrives while the step ahead of it runs: a new
+    stream's first frame then waits for two steps. Queued too late, the device idles between steps. The
+    pacer queues the next step when the one in flight is expected to end within `margin_s`, from a moving
+    average of the device time of past steps of the same batch bucket; until a bucket has been measured, and
+    whenever nothing is in flight, it queues at once. At most `max_in_flight` steps are queued.
+    """
+
+    def __init__(self, *, margin_s: float = 0.0008, max_in_flight: int = 2) -> None:
+        self.margin_s = margin_s
+        self.max_in_flight = max_in_flight
+        self._durations: dict[int, float] = {}  # batch bucket -> moving average of device seconds
+        self._in_flight: list[tuple[int, float]] = []  # (bucket, queued at), oldest first
+
+    def may_launch(self, now: float) -> bool:
+        if not self._in_flight:
+            return True
+        if len(self._in_flight) >= self.max_in_flight:
+            return False
+        end = self.expected_end()
+        return end is None or now >= end - self.margin_s
+
+    def expected_end(self) -> float | None:
+        """When the last queued step should finish; None if a queued bucket was never measured."""
+        end = float("-inf")
+        for bucket, queued_at in self._in_flight:
+            duration = self._durations.get(bucket)
+            if duration is None:
+                return None
+            end = max(end, queued_at) + duration
+        return end
+
+    def launched(self, bucket: int, now: float) -> None:
+        self._in_flight.append((bucket, now))
+
+    def completed(self, device_seconds: float | None) -> None:
+        """The oldest queued step finished, after `device_seconds` on the device (None: not measured)."""
+        bucket, _ = self._in_flight.pop(0)
+        if device_seconds is not None:
+            average = self._durations.get(bucket)
+            self._durations[bucket] = device_seconds if average is None else 0.8 * average + 0.2 * device_seconds
+
+    def clear(self) -> None:
+        self._in_flight.clear()

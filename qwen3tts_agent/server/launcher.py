@@ -1,0 +1,80 @@
+"""`serve` with the engine core in a process of its own: the supervisor, and the API workers' app.
+
+The supervisor (the process `qwen3tts-agent serve` starts in) launches the engine-core process
+(`engine/process.py`, restarted with a back-off if it dies) and runs uvicorn: one API worker in this
+process, or `--workers N` worker processes on one listening socket (uvicorn's own supervisor restarts a
+worker that dies). Every worker builds its app with `worker_app()`, whose engine is an `EngineClient` of
+the core, so HTTP/WebSocket handling, JSON and PCM encoding never share an interpreter with the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from ..engine.process import GIL_SWITCH_INTERVAL_S, CoreLaunch, EngineProcess
+from .config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+SETTINGS_ENV = "QWEN3TTS_SERVE_SETTINGS"  # how the supervisor hands the settings to its API workers
+
+
+def default_core_address() -> str:
+    return f"ipc://{tempfile.gettempdir()}/qwen3tts-core-{os.getpid()}.sock"
+
+
+def _config_to_json(config: ServerConfig) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+
+
+def _config_from_json(data: dict[str, Any]) -> ServerConfig:
+    paths = {f.name for f in fields(ServerConfig) if "Path" in str(f.type)}
+    return ServerConfig(**{k: Path(v) if k in paths and v is not None else v for k, v in data.items()})
+
+
+def worker_app() -> Any:
+    """The app of one API worker (a uvicorn factory): the server over an `EngineClient` of the core."""
+    from ..engine.client import EngineClient
+    from .app import create_app
+
+    # the event loop and the engine client's I/O thread share the interpreter lock: hand it over quickly
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    settings = json.loads(os.environ[SETTINGS_ENV])
+    config = _config_from_json(settings["config"])
+    address = settings["core_address"]
+    return create_app(config, engine_factory=lambda: EngineClient.connect(address, timeout=None))
+
+
+def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_options: dict[str, Any]) -> int:
+    """Run the engine core and the API workers until interrupted; 1 if the core failed to start."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    failures: list[str] = []
+
+    def core_failed(message: str) -> None:
+        failures.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn (single or multi-process) shuts down on it
+
+    core = EngineProcess(launch)
+    core.start(wait=False, on_failure=core_failed)
+    os.environ[SETTINGS_ENV] = json.dumps({"config": _config_to_json(config), "core_address": launch.address})
+    options = {**uvicorn_options, "factory": True, "workers": workers}
+    server_config = uvicorn.Config("qwen3tts_agent.server.launcher:worker_app", **options)
+    server = uvicorn.Server(server_config)
+    try:
+        if workers > 1:
+            Multiprocess(server_config, target=server.run, sockets=[server_config.bind_socket()]).run()
+        else:
+            server.run()
+    finally:
+        core.stop()
+    return 1 if failures else 0

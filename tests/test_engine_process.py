@@ -1,0 +1,126 @@
+"""The engine core in a process of its own, driven through `EngineClient`s in this and other processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+
+from qwen3tts_agent import SamplingParams, TextLayout, Voice
+from qwen3tts_agent.engine.client import EngineClient
+from qwen3tts_agent.engine.process import CoreLaunch, EngineProcess
+from qwen3tts_agent.errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    InvalidReferenceAudioError,
+    InvalidTextError,
+)
+from tests.engine_helpers import TEXT, engine_for, reference_audio
+
+GREEDY = SamplingParams.greedy(max_frames=8)
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineProcess:
+    address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-core-{os.getpid()}.sock"
+    process = EngineProcess(
+        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 4, "keep_codes": True}, warmup=False),
+        backoff_s=(0.2, 1.0),
+    )
+    process.start(timeout=180)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(core: EngineProcess) -> EngineClient:
+    client = EngineClient.connect(core.address, timeout=60)
+    yield client
+    client.close()
+
+
+def test_a_client_speaks_exactly_as_the_in_process_engine(client: EngineClient) -> None:
+    local = engine_for("synthetic:tiny", max_streams=1)
+    try:
+        for engine in (local, client):
+            assert engine.model_type == "base" and "english" in engine.languages
+        voice_local = Voice(prompt=local.create_voice(reference_audio(), "This is my voice."))
+        voice_remote = Voice(prompt=client.create_voice(reference_audio(), "This is my voice."))
+        assert voice_local.prompt.voice_id == voice_remote.prompt.voice_id
+        pcm_local, result_local = local.synthesize_blocking(TEXT, voice=voice_local, sampling=GREEDY)
+        stream = client.open_stream(voice=voice_remote, sampling=GREEDY)
+        for word in TEXT.split(" "):
+            stream.push_text(word + " ")
+        stream.close_input()
+        pcm_remote = np.concatenate([c.pcm for c in stream.chunks(timeout=60)])
+        assert stream.result.codes == result_local.codes and len(stream.result.codes) == 8
+        np.testing.assert_allclose(pcm_remote, pcm_local, atol=1e-5)
+        assert stream.result.finish_reason == "max_frames" and stream.result.first_audio_latency is not None
+    finally:
+        local.close()
+
+
+def test_errors_cross_the_process_boundary_typed(client: EngineClient) -> None:
+    with pytest.raises(InvalidReferenceAudioError):
+        client.create_voice((np.zeros(24000, np.float32), 24000), None, x_vector_only=True)  # silent
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    too_long = client.open_stream("1234567890" * 300, voice=voice, text_layout=TextLayout.PREFILL, sampling=GREEDY)
+    with pytest.raises(InvalidTextError, match="positions"):  # the core refuses the prompt: typed, not generic
+        list(too_long.chunks(timeout=60))
+    time.sleep(0.6)
+    assert client.stats().errors >= 1 and client.stats().healthy
+
+
+def _doomed_client(address: str, started: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+    client = EngineClient.connect(address, timeout=60)
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    stream = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=2000, ignore_eos=True))
+    next(stream.chunks(timeout=60))
+    started.set()
+    time.sleep(600)  # killed long before
+
+
+def test_a_killed_client_loses_only_its_own_streams(core: EngineProcess, client: EngineClient) -> None:
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    doomed = context.Process(target=_doomed_client, args=(core.address, started))
+    doomed.start()
+    try:
+        assert started.wait(120)
+        voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+        mine = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=40, ignore_eos=True))
+        first = next(mine.chunks(timeout=60))
+        doomed.kill()
+        rest = list(mine.chunks(timeout=60))
+        assert first.frame_start == 0 and rest[-1].frame_end == 40
+        deadline = time.monotonic() + 30  # the core notices the silent client and frees its slot
+        while client.stats().active_streams and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.stats().active_streams == 0
+    finally:
+        doomed.kill()
+        doomed.join()
+
+
+def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, client: EngineClient) -> None:
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    stream = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=2000, ignore_eos=True))
+    next(stream.chunks(timeout=60))
+    core.kill()
+    killed = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        list(stream.chunks(timeout=30))
+    assert time.monotonic() - killed < 2.0
+    assert not client.healthy
+    with pytest.raises(EngineNotReadyError):
+        client.open_stream("Too soon.", voice=voice)
+    deadline = time.monotonic() + 120
+    while not client.healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.healthy and core.restarts == 1
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))  # a fresh core's cache
+    pcm, result = client.synthesize_blocking("Back again.", voice=voice, sampling=SamplingParams(max_frames=3))
+    assert result.frames == 3 and len(pcm) == 3 * 1920

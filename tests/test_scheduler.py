@@ -1,0 +1,256 @@
+"""The scheduler and the step pacer, driven with made-up step outputs (no model, no tensors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qwen3tts_agent.engine.scheduler import (
+    FRAME_SECONDS,
+    LATE_CHUNKS_TO_SHED,
+    LATE_WINDOW_S,
+    URGENT_SLACK_S,
+    PromptShape,
+    RequestState,
+    Scheduler,
+    StepPacer,
+    runaway_frame_limit,
+)
+from qwen3tts_agent.engine.types import FinishReason, TextLayout
+
+EOS_TEXT = 999
+SLOTS = 4
+
+
+def make_scheduler(**kwargs: object) -> Scheduler:
+    options = dict(max_slots=SLOTS, max_seq_len=64, max_text_tokens=64, max_prefill_rows=2, eos_token_id=EOS_TEXT)
+    options.update(kwargs)
+    return Scheduler(**options)  # type: ignore[arg-type]
+
+
+def make_request(rid: str, *, schedule: tuple[int, ...] = (1, 2, 4), max_frames: int | None = 100,
+                 shape: PromptShape | None = None, submitted: float = 0.0) -> RequestState:
+    return RequestState(rid, shape or PromptShape(TextLayout.INTERLEAVED), schedule, submitted, max_frames=max_frames)
+
+
+def start(scheduler: Scheduler, request: RequestState, text: list[int], *, closed: bool = True, now: float = 0.0) -> None:
+    """Add a request and run its prompt as the core would: admit, prefill head+body, feed its text."""
+    scheduler.add(request)
+    scheduler.close_input(request, text) if closed else scheduler.append_text(request, text)
+    scheduler.admit(now)
+    for plan in scheduler.prefill_plans():
+        scheduler.on_prefilled(plan, 10, now)
+        if plan.body_ids is not None:  # the body takes the first token; the rest (and the end) go to the track
+            trailing = plan.body_ids[1:] + ([EOS_TEXT] if plan.request.closed else [])
+            scheduler.on_fed(plan.request, trailing)
+    for r, ids in scheduler.text_feeds():
+        scheduler.on_fed(r, ids)
+
+
+def step(scheduler: Scheduler, now: float, eos: set[int] = frozenset()) -> list:  # type: ignore[assignment]
+    """Launch and complete one step; slots in `eos` sample the end token. Returns the chunk plans."""
+    rows = scheduler.runnable()
+    seq = scheduler.on_launched(rows)
+    codes = np.arange(SLOTS * 16).reshape(SLOTS, 16) + 1000 * seq
+    finished = np.array([1 if slot in eos else 0 for slot in range(SLOTS)])
+    plans = scheduler.on_frame(rows, codes, finished, now)
+    scheduler.on_step_done(seq)
+    return plans
+
+
+def test_admission_is_fifo_into_the_lowest_free_slots_a_batch_at_a_time() -> None:
+    scheduler = make_scheduler()
+    requests = [make_request(f"r{i}") for i in range(6)]
+    for r in requests:
+        scheduler.add(r)
+    assert [r.slot for r in scheduler.admit(0.0)] == [0, 1]  # max_prefill_rows per call
+    assert [r.slot for r in scheduler.admit(0.0)] == [2, 3]
+    assert scheduler.admit(0.0) == []  # no free slot
+    assert [r.request_id for r in scheduler.waiting] == ["r4", "r5"]
+    with pytest.raises(ValueError):
+        scheduler.add(make_request("r0"))
+
+
+def test_prompt_bodies_wait_for_enough_text() -> None:
+    scheduler = make_scheduler()
+    plain = make_request("plain")
+    icl = make_request("icl", shape=PromptShape(TextLayout.INTERLEAVED, icl_codec_len=5, ref_text_len=2))
+    whole = make_request("whole", shape=PromptShape(TextLayout.PREFILL))
+    scheduler.max_prefill_rows = 8
+    for r in (plain, icl, whole):
+        scheduler.add(r)
+    scheduler.admit(0.0)
+    plans = {p.request.request_id: p for p in scheduler.prefill_plans()}
+    assert all(p.head and p.body_ids is None for p in plans.values())  # heads run before any text
+    for p in plans.values():
+        scheduler.on_prefilled(p, 7, 0.0)
+    assert scheduler.prefill_plans() == []
+    scheduler.append_text(plain, [1])
+    scheduler.append_text(icl, [1, 2])  # 2 + 2 < 5
+    scheduler.append_text(whole, [1, 2, 3])
+    assert [p.request.request_id for p in scheduler.prefill_plans()] == ["plain"]
+    scheduler.append_text(icl, [3])  # 2 + 3 >= 5: the reference's codec span is covered
+    ready = {p.request.request_id: p for p in scheduler.prefill_plans()}
+    assert set(ready) == {"plain", "icl"} and not ready["icl"].head and ready["icl"].body_ids == [1, 2, 3]
+    scheduler.close_input(whole, [])
+    assert "whole" in {p.request.request_id for p in scheduler.prefill_plans()}  # a whole-text prompt at close
+    scheduler.on_prefilled(ready["icl"], 4, 1.0)
+    assert icl.position == 11 and icl.body_done and icl.consumed == 3
+
+
+def test_text_track_feeds_new_text_then_the_end_once() -> None:
+    scheduler = make_scheduler()
+    r = make_request("r")
+    start(scheduler, r, [5, 6], closed=False)
+    assert r.track_len == 1 and not r.eos_fed  # the body took token 5
+    scheduler.append_text(r, [7])
+    assert scheduler.text_feeds() == [(r, [7])]
+    scheduler.close_input(r, [8])
+    assert scheduler.text_feeds() == [(r, [8, EOS_TEXT])]
+    scheduler.on_fed(r, [8, EOS_TEXT])
+    assert r.eos_fed and scheduler.text_feeds() == []
+
+
+def test_a_stream_steps_only_while_it_has_text() -> None:
+    scheduler = make_scheduler()
+    r = make_request("r")
+    start(scheduler, r, [5, 6, 7], closed=False)  # track: 6, 7
+    step(scheduler, 0.0)
+    step(scheduler, 0.1)
+    assert r.frames == 2 and scheduler.runnable() == []  # waits for text instead of padding
+    scheduler.close_input(r, [])
+    for ids in scheduler.text_feeds():
+        scheduler.on_fed(*ids)
+    assert scheduler.runnable() == [r]
+
+
+def test_chunk_schedule_end_of_speech_and_the_last_chunk() -> None:
+    scheduler = make_scheduler()
+    r = make_request("r", schedule=(1, 2, 4))
+    start(scheduler, r, [5, 6])
+    sizes = []
+    for i in range(6):
+        for plan in step(scheduler, 0.01 * i, eos={0} if i == 5 else set()):
+            sizes.append((plan.frame_start, plan.n_frames, plan.is_first, plan.is_last))
+            assert plan.codes.shape == (plan.n_frames, 16)
+    assert sizes == [(0, 1, True, False), (1, 2, False, False), (3, 3, False, True)]
+    assert r.finish_reason is FinishReason.EOS and r.slot is None and r in scheduler.finishing
+
+
+def test_a_frame_in_flight_for_an_ended_stream_is_dropped_and_its_slot_waits_for_the_step() -> None:
+    scheduler = make_scheduler(max_slots=1)
+    r = make_request("r")
+    start(scheduler, r, [5, 6])
+    first = scheduler.runnable()
+    seq1 = scheduler.on_launched(first)
+    seq2 = scheduler.on_launched(scheduler.runnable())  # queued behind the first
+    codes, finished = np.zeros((1, 16), dtype=np.int64), np.array([1])
+    scheduler.on_frame(first, codes, finished, 0.02)  # EOS in the first step
+    scheduler.on_step_done(seq1)
+    assert r.finish_reason is FinishReason.EOS and r.frames == 1
+    scheduler.add(make_request("next"))
+    assert scheduler.admit(0.03) == []  # the second step may still hold slot 0
+    assert scheduler.on_frame(first, codes, np.array([0]), 0.04) == []  # its frame is dropped
+    scheduler.on_step_done(seq2)
+    assert [x.slot for x in scheduler.admit(0.05)] == [0]
+
+
+def test_cancel_frees_the_slot_at_once_when_no_step_is_in_flight() -> None:
+    scheduler = make_scheduler(max_slots=1)
+    r = make_request("r")
+    start(scheduler, r, [5], closed=False)
+    scheduler.finish(r, FinishReason.CANCELLED)
+    assert not scheduler.is_live(r) and r.finish_reason is FinishReason.CANCELLED
+    scheduler.add(make_request("next"))
+    assert [x.slot for x in scheduler.admit(0.0)] == [0]
+
+
+def test_runaway_guard_ends_a_stream_that_never_reaches_end_of_speech() -> None:
+    scheduler = make_scheduler(max_seq_len=4096)
+    r = make_request("r", max_frames=1000, schedule=(64,))
+    text = [5, 6, 7]
+    start(scheduler, r, text)
+    assert r.frame_limit == runaway_frame_limit(len(text))
+    n = 0
+    while scheduler.runnable():
+        step(scheduler, 0.0)
+        n += 1
+    assert n == r.frames == runaway_frame_limit(len(text)) and r.finish_reason is FinishReason.LENGTH
+    explicit = make_request("x", max_frames=3, schedule=(64,))
+    start(scheduler, explicit, text)
+    while scheduler.runnable():
+        step(scheduler, 0.0)
+    assert explicit.frames == 3 and explicit.finish_reason is FinishReason.MAX_FRAMES
+    fixed = make_request("f", max_frames=200, schedule=(64,))
+    fixed.runaway_guard = False  # fixed-length output (ignore_eos): only max_frames counts
+    start(scheduler, fixed, text)
+    while scheduler.runnable():
+        step(scheduler, 0.0)
+    assert fixed.frames == 200 and fixed.finish_reason is FinishReason.MAX_FRAMES
+
+
+def test_a_stream_close_to_its_deadline_gets_its_frames_decoded_early() -> None:
+    for adapt in (True, False):
+        scheduler = make_scheduler(adapt_chunks=adapt)
+        r = make_request("r", schedule=(1, 8))
+        start(scheduler, r, [5, 6])
+        [first] = step(scheduler, 0.0)
+        scheduler.on_delivered(first, now=1.0)  # played from t=1.0: the next chunk is due at 1.08
+        assert step(scheduler, 1.0) == []  # plenty of slack: wait to fill the 8-frame chunk
+        plans = step(scheduler, 1.08 - URGENT_SLACK_S / 2)
+        assert [p.n_frames for p in plans] == ([2] if adapt else [])
+
+
+def test_chunks_are_handed_out_most_urgent_first() -> None:
+    scheduler = make_scheduler()
+    a, b, c = (make_request(x, schedule=(1, 1), submitted=t) for x, t in (("a", 0.0), ("b", 0.1), ("c", 0.2)))
+    for r in (a, b):
+        start(scheduler, r, [5, 6])
+    for plan in step(scheduler, 0.3):
+        scheduler.on_delivered(plan, now=0.4 if plan.request is a else 0.35)  # b's deadline comes first
+    start(scheduler, c, [5, 6])
+    plans = step(scheduler, 0.45)
+    assert [p.request.request_id for p in plans] == ["c", "b", "a"]  # a first chunk, then by deadline
+
+
+def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_streams_for_a_while() -> None:
+    scheduler = make_scheduler()
+    r = make_request("r", schedule=(1,), max_frames=None)
+    start(scheduler, r, list(range(20)))
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=1.0)
+    late = 0.03
+    for i in range(LATE_CHUNKS_TO_SHED):
+        [chunk] = step(scheduler, 1.0 + i * 0.01)
+        assert not scheduler.overloaded(1.0)
+        scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
+    assert scheduler.stats.late_chunks == LATE_CHUNKS_TO_SHED
+    # chunk k is due k frames after the first and left k * 30 ms after that
+    assert scheduler.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
+    now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
+    assert scheduler.overloaded(now) and not scheduler.overloaded(now + LATE_WINDOW_S + 0.5)
+
+
+def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:
+    scheduler = make_scheduler()
+    for _ in range(10):
+        scheduler.record_step_time(0.02)  # 4x faster than real time
+    assert not scheduler.overloaded(0.0)
+    for _ in range(30):
+        scheduler.record_step_time(0.07)  # barely faster than real time: no headroom
+    assert scheduler.overloaded(0.0)
+
+
+def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None:
+    pacer = StepPacer(margin_s=0.001, max_in_flight=2)
+    assert pacer.may_launch(0.0)
+    pacer.launched(8, 0.0)
+    assert pacer.may_launch(0.0)  # the bucket was never measured: no basis for waiting
+    pacer.completed(0.010)
+    pacer.launched(8, 1.0)
+    assert pacer.expected_end() == pytest.approx(1.010)
+    assert not pacer.may_launch(1.005) and pacer.may_launch(1.0095)
+    pacer.launched(8, 1.0095)
+    assert not pacer.may_launch(5.0)  # two in flight
+    pacer.completed(0.012)
+    assert pacer.may_launch(5.0)
