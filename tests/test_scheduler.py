@@ -254,3 +254,21 @@ def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None
     assert not pacer.may_launch(5.0)  # two in flight
     pacer.completed(0.012)
     assert pacer.may_launch(5.0)
+
+
+def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_listener() -> None:
+    scheduler = make_scheduler()
+    ahead, fresh = make_request("ahead", schedule=(1, 64)), make_request("fresh", schedule=(1, 64))
+    start(scheduler, ahead, [5, 6], closed=False)
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=0.0)
+    for i in range(12):  # 13 frames made (1.04 s) by t=0.2: 0.84 s ahead of playback
+        scheduler.append_text(ahead, [7])
+        for r, ids in scheduler.text_feeds():
+            scheduler.on_fed(r, ids)
+        step(scheduler, 0.01 * i)
+    assert ahead.ahead_s(0.2) == pytest.approx(13 * FRAME_SECONDS - 0.2)
+    assert scheduler.steps_can_wait([ahead], 0.2)
+    assert not scheduler.steps_can_wait([ahead], 0.7)  # played on: now only 0.34 s ahead
+    start(scheduler, fresh, [5, 6])
+    assert not scheduler.steps_can_wait([ahead, fresh], 0.2)  # a stream without first audio never waits

@@ -207,6 +207,15 @@ class AudioPipeline:
             self._waiting = [plan for plan in self._waiting if id(plan) not in chosen]
             self._decode(group, n_frames, first_lane=False)
 
+    def urgent(self, now: float, within_s: float) -> bool:
+        """Whether a codec-lane chunk waiting or in flight is due within `within_s` (deadline-aware pacing)."""
+        plans = self._waiting + [plan for decoding in self._decoding for plan in decoding.plans]
+        for plan in plans:
+            deadline = plan.request.deadline()
+            if deadline is not None and deadline - now < within_s:
+                return True
+        return False
+
     def _lane_depth(self) -> int:
         """Decodes queued on the codec lane and not done (0 without a GPU: decodes there are synchronous)."""
         return sum(1 for d in self._decoding if d.event is not None and not d.event.query())

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 MAX_PREFILL_ROWS = 16
 # Consecutive failed steps after which the loop gives up (the device is not coming back by itself).
 MAX_CONSECUTIVE_FAILURES = 3
+# Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
+# for it (see `Scheduler.steps_can_wait`), so the codec lane gets the device before listeners starve.
+URGENT_AUDIO_S = 0.06
 
 
 class OutputSink(Protocol):
@@ -102,6 +105,7 @@ class CoreStats:
     cancels: int = 0
     errors: int = 0
     steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
+    steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
 
 
 class EngineCore:
@@ -394,6 +398,9 @@ class EngineCore:
             return False
         rows = self.scheduler.runnable()
         if not rows:
+            return False
+        if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
+            self.stats.steps_deferred += 1
             return False
         runner = self.runner
         b = max(r.slot for r in rows) + 1  # type: ignore[type-var]

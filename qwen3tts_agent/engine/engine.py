@@ -262,6 +262,7 @@ class Engine(EngineFrontend):
             cancels=base.cancels + now.cancels,
             errors=base.errors + now.errors,
             steps=base.steps + now.steps,
+            steps_deferred=base.steps_deferred + now.steps_deferred,
             late_chunks=scheduler.stats.late_chunks,
             underrun_seconds=scheduler.stats.underrun_seconds,
             overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),

@@ -100,6 +100,7 @@ class EngineStats:
     cancels: int
     errors: int
     steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
+    steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes (deadline-aware pacing)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)

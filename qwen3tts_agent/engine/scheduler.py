@@ -30,6 +30,9 @@ RUNAWAY_BASE_FRAMES = 25
 RUNAWAY_FRAMES_PER_TOKEN = 8
 # A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
 URGENT_SLACK_S = 0.04
+# A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
+# beyond what its listener has heard: the audio is due sooner than their next frames.
+STEP_CAN_WAIT_AHEAD_S = 0.5
 # Refuse new streams while a step takes longer than a frame's duration divided by this...
 MIN_STEP_RATE_OVER_REAL_TIME = 1.5
 # ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
@@ -88,7 +91,7 @@ class RequestState:
     pending_start: int = 0
     prefill_done: float = 0.0
     first_frame: float = 0.0
-    first_audio: float = 0.0  # when its first chunk left the core
+    first_audio: float | None = None  # when its first chunk left the core
     delivered_frames: int = 0
     finish_reason: FinishReason | None = None
     codes: list[list[int]] = field(default_factory=list)  # every frame's codes, when the scheduler keeps them
@@ -104,9 +107,15 @@ class RequestState:
         limits = [limit for limit in (self.max_frames, guard) if limit is not None]
         return min(limits) if limits else None
 
+    def ahead_s(self, now: float) -> float | None:
+        """Seconds of audio made beyond the listener's playback position; None before its first chunk."""
+        if self.first_audio is None:
+            return None
+        return self.frames * FRAME_SECONDS - (now - self.first_audio)
+
     def deadline(self) -> float | None:
         """When its next chunk must have left for a client playing from the first chunk; None before that."""
-        if not self.first_audio:
+        if self.first_audio is None:
             return None
         return self.first_audio + self.delivered_frames * FRAME_SECONDS
 
@@ -309,6 +318,15 @@ class Scheduler:
             request.position += 1
             request.frames_launched += 1
         return self._launched_steps
+
+    def steps_can_wait(self, rows: Sequence[RequestState], now: float) -> bool:
+        """Whether a step for `rows` may yield the device to urgent audio: every row is well ahead of its
+        playback (a stream still waiting for its first audio never waits)."""
+        for request in rows:
+            ahead = request.ahead_s(now)
+            if ahead is None or ahead < STEP_CAN_WAIT_AHEAD_S:
+                return False
+        return True
 
     def record_step_time(self, seconds: float) -> None:
         """How long a step took on the device: steps near a frame's duration leave streams no headroom."""
