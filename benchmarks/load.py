@@ -52,6 +52,7 @@ class Record:
     audio_s: float = 0.0
     done_s: float | None = None  # flush/request -> last audio
     stall_s: float = 0.0  # total playback starvation after the first PCM
+    stages_ms: dict[str, float] | None = None  # where the first chunk's time went (the server's `done` metrics)
     error: str | None = None
 
     @property
@@ -122,6 +123,7 @@ async def ws_request(plan: ClientPlan, record: Record) -> None:
                 raise RuntimeError(f"{body['code']}: {body['message']}")
             if body["type"] == "done":
                 record.done_s = now - sent
+                record.stages_ms = (body.get("metrics") or {}).get("first_chunk_stages_ms")
                 break
         await ws.send(json.dumps({"type": "close"}))
         record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
@@ -212,6 +214,11 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
             key = r.error.split(":", 2)[1].strip() if r.error.startswith("RuntimeError") else r.error.split(":")[0]
             errors[key] = errors.get(key, 0) + 1
     underruns = [r for r in ok if r.stall_s > UNDERRUN_S]
+    staged = [r.stages_ms for r in ok if r.stages_ms]
+    stages = {
+        name: {"p50": pct([s[name] for s in staged], 50), "p95": pct([s[name] for s in staged], 95)}
+        for name in (staged[0] if staged else {})
+    }
     return {
         "requests": len(measured),
         "completed": len(ok),
@@ -222,11 +229,14 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
         "stall_ms_p99": pct([1000 * r.stall_s for r in ok], 99),
         "slowest_stream_rtf": min(rtfs, default=None),
         "errors": errors,
+        # server side, from the engine's timestamps: submit -> prompt done -> first frame -> decoded -> sent
+        "first_chunk_stages_ms": stages,
     }
 
 
 def scrape(url: str, api_key: str | None) -> dict[str, float]:
-    """The server's Prometheus counters and gauges (families named qwen3tts_*), summed over labels."""
+    """The server's Prometheus counters and gauges (families named qwen3tts_*): counters summed over their
+    labels, the engine's loop seconds per phase."""
     request = urllib.request.Request(url.replace("ws://", "http://") + "/metrics")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -235,11 +245,19 @@ def scrape(url: str, api_key: str | None) -> dict[str, float]:
         for line in response.read().decode().splitlines():
             if line.startswith("qwen3tts_") and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                key = name.split("{")[0]
+                key = name if name.startswith("qwen3tts_engine_loop_seconds") else name.split("{")[0]
                 if key.endswith("_bucket"):
                     continue
                 values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def _cumulative(name: str) -> bool:
+    """Counters and sums (a window's figure is after minus before), not gauges."""
+    if name.endswith("_created"):
+        return False
+    return any(mark in name for mark in ("_total", "_sum", "_count", "loop_seconds", "frames_generated", "steps",
+                                         "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors"))
 
 
 def free_port() -> int:
@@ -296,7 +314,8 @@ def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, he
     if held:
         summary["held_streams"] = held
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
-                   server_metrics={k: after[k] - before.get(k, 0.0) for k in after if "total" in k or k.endswith("_sum")})
+                   server_metrics={k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)},
+                   server_gauges_after={k: v for k, v in after.items() if not _cumulative(k)})
     return summary
 
 
@@ -305,6 +324,7 @@ def print_summary(summary: dict[str, object]) -> None:
     print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
           f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
           f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
+    print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
 
 
 def main() -> None:

@@ -150,13 +150,16 @@ async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) 
     encoder = PcmEncoder("pcm_s16le", rate, rate)
 
     async def body() -> AsyncIterator[bytes]:
+        clock = state.metrics.playback("http")
         try:
             if fmt == "wav":
                 yield streaming_wav_header(rate)
             if first is not None:
                 yield encoder.encode(first.pcm, last=first.is_last)
+                clock.sent(time.perf_counter(), first.duration)
                 async for chunk in chunks:
                     yield encoder.encode(chunk.pcm, last=chunk.is_last)
+                    clock.sent(time.perf_counter(), chunk.duration)
         except Exception as exc:
             # headers are gone: all we can do is log, count, and cut the body short so the client notices
             err = from_engine_error(exc)

@@ -80,6 +80,16 @@ class _Utterance:
             self.speakable.set()
 
 
+def first_chunk_stages(timings: Any, sent: float) -> dict[str, float]:
+    """Where a first chunk's time went, in ms: the prompt, the first frame, its audio decode, the way out."""
+    return {
+        "prompt": 1000 * (timings.prefill_done - timings.submitted),
+        "first_frame": 1000 * (timings.first_frame - timings.prefill_done),
+        "decode": 1000 * (timings.ready - timings.first_frame),
+        "delivery": 1000 * (sent - timings.ready),
+    }
+
+
 class StreamSession:
     def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self._ws = ws
@@ -321,6 +331,8 @@ class StreamSession:
         fmt = settings.audio_format
         encoder = PcmEncoder(fmt.encoding, fmt.sample_rate, self._state.engine.sample_rate)
         first_audio: float | None = None
+        stages: dict[str, float] | None = None
+        clock = self._metrics.playback("ws")
         seq = 0
         error: ApiError | None = None
         active = self._metrics.active_streams.labels("ws")
@@ -343,8 +355,11 @@ class StreamSession:
                         "is_last": chunk.is_last,
                     }
                     await self._send_audio(header, data)
+                    sent = time.perf_counter()
+                    clock.sent(sent, chunk.duration)
                     if first_audio is None:
-                        first_audio = time.perf_counter() - started
+                        first_audio = sent - started
+                        stages = first_chunk_stages(chunk.timings, sent)
                     seq += 1
         except StreamCancelledError:
             pass
@@ -393,6 +408,8 @@ class StreamSession:
                 "frames": result.frames,
                 "chunks": seq,
                 "text_chars": utt.chars,
+                "first_chunk_stages_ms": stages,
+                "text_wait_s": result.text_wait,
             },
         )
 
