@@ -34,11 +34,11 @@ from ..errors import (
     UnsupportedFeatureError,
     UnsupportedLanguageError,
 )
-from .codec import StreamingCodecDecoder
+from ..backends import create_codec, create_runner
 from .cuda_graphs import GraphedCodecDecode, GraphedFrameStep, GraphedPrefill, power_of_two_buckets
 from .host import upload
 from .prompt import PromptBody, PromptBuilder, PromptSpec
-from .runner import ModelRunner, PrefillRow
+from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer
@@ -157,7 +157,10 @@ class Engine:
         overlap_codec: bool = True,
         fused_kernels: bool = True,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
+        backend: str = "auto",
     ) -> None:
+        """`backend`: "auto" (the int8 CPU backend on a CPU, PyTorch on a GPU), "torch", "int8" or "fp32"
+        (see `qwen3tts_agent.backends`)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -184,9 +187,9 @@ class Engine:
         self.tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
         # one text-track token per frame at most, so a track never outgrows the cache
-        self._runner = ModelRunner(
-            model, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len, top_k_cap=top_k_cap,
-            fused_kernels=fused_kernels,
+        self._runner = create_runner(
+            model, backend, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len,
+            top_k_cap=top_k_cap, fused_kernels=fused_kernels,
         )
         decoder = model.speech_tokenizer.model.decoder
         graphed = self.device.type == "cuda" and use_cuda_graphs
@@ -206,7 +209,7 @@ class Engine:
         first_rows = min(FIRST_CHUNK_ROWS, max_streams) if self._first_stream is not None else 0
         # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
         codec_slots = 2 * max_streams + first_rows if graphed else max_streams
-        self._codec = StreamingCodecDecoder(decoder, max_streams=codec_slots)
+        self._codec = create_codec(decoder, backend, max_streams=codec_slots)
         self._codec_states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._first_lane_done: torch.cuda.Event | None = None  # the last first-chunk decode
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
@@ -273,6 +276,7 @@ class Engine:
         dtype: str | torch.dtype = "auto",
         cache_dir: Path | None = None,
         progress: bool = True,
+        backend: str = "auto",
         **engine_kwargs: object,
     ) -> Engine:
         """Load a checkpoint (hub id, local folder or `synthetic:<size>[-<type>]`) and start the engine thread.
@@ -288,7 +292,7 @@ class Engine:
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         official = load_official_model(model, device=device, dtype=dtype, cache_dir=cache_dir, progress=progress)
-        return cls(official, **engine_kwargs)  # type: ignore[arg-type]
+        return cls(official, backend=backend, **engine_kwargs)  # type: ignore[arg-type]
 
     @property
     def supports_instruct(self) -> bool:
