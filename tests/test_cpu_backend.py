@@ -20,7 +20,14 @@ from qwen3tts_agent.backends.cpu.codec import CpuCodecDecoder
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.backends.cpu.store import conversion_folder, prepare
 from qwen3tts_agent.engine.runner import ModelRunner
-from tests.engine_helpers import REF_TEXT, TEXT, engine_for, official_model, recorded_decode_codes, reference_audio
+from tests.engine_helpers import (
+    REF_TEXT,
+    TEXT,
+    engine_for,
+    official_model,
+    recorded_decode_codes,
+    reference_audio,
+)
 from tests.test_codec_streaming import tiny_decoder
 
 FRAMES = 24

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends import create_codec, create_runner
 from ..errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -34,7 +35,6 @@ from ..errors import (
     UnsupportedFeatureError,
     UnsupportedLanguageError,
 )
-from ..backends import create_codec, create_runner
 from .cuda_graphs import GraphedCodecDecode, GraphedFrameStep, GraphedPrefill, power_of_two_buckets
 from .host import upload
 from .prompt import PromptBody, PromptBuilder, PromptSpec
