@@ -14,7 +14,9 @@ overwrites before anything reads it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -39,7 +41,10 @@ class CpuRunner(ModelRunner):
         max_text_tokens: int,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         threads: int | None = None,
+        spin: bool | None = None,
     ) -> None:
+        """`threads`: ONNX Runtime's intra-op threads (default: PyTorch's thread count). `spin`: let them
+        busy-wait between ops (default: the QWEN3TTS_CPU_SPIN environment variable, else off)."""
         super().__init__(
             model, max_slots=max_slots, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens,
             top_k_cap=top_k_cap, fused_kernels=False,
@@ -48,10 +53,13 @@ class CpuRunner(ModelRunner):
             raise ValueError(f"the CPU backend runs float32 models on the CPU, not {self.dtype} on {self.device}")
         self.weight_format = weight_format
         threads = threads or torch.get_num_threads()
-        self._talker = BoundSession(folder / "talker.onnx", threads)
-        self._predictor = BoundSession(folder / "predictor.onnx", threads)
+        if spin is None:
+            spin = os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1"
+        self.threads, self.spin = threads, spin
+        self._talker = BoundSession(folder / "talker.onnx", threads, spin)
+        self._predictor = BoundSession(folder / "predictor.onnx", threads, spin)
         heads = sorted(folder.glob("head_*.onnx"), key=lambda p: int(p.stem.split("_")[1]))
-        self._heads = {id(head): BoundSession(path, threads) for head, path in zip(self.p_heads, heads, strict=False)}
+        self._heads = {id(head): BoundSession(path, threads, spin) for head, path in zip(self.p_heads, heads, strict=False)}
         # GroupQueryAttention's rotary tables: cos and sin of each position's angles [positions, head_dim / 2]
         half = self.cos.shape[-1] // 2
         self._t_rope = (self.cos[:, :half].contiguous(), self.sin[:, half:].contiguous())
@@ -105,6 +113,22 @@ class CpuRunner(ModelRunner):
         return binding
 
     # ----------------------------------------------------------------- the frame
+    @contextlib.contextmanager
+    def _torch_single_threaded(self) -> Iterator[None]:
+        """PyTorch's ops between graph calls are tiny (sampling over a few thousand logits); with its own
+        OpenMP team beside ONNX Runtime's pool, the two sets of threads fight for the cores."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:
+        with self._torch_single_threaded():
+            super().frame_step(b, kv_len, talker_sampling, predictor_sampling)
+
     def predict_codes(self, b: int, sampling: bool = True) -> None:
         """The 15 predictor steps: one graph call each (the first on 2 positions), then one head and a draw."""
         for code in range(1, self.num_groups):
@@ -140,6 +164,10 @@ class CpuRunner(ModelRunner):
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         """Each prompt piece is one talker-graph call on its slot's cache (pieces differ in length and start)."""
+        with self._torch_single_threaded():
+            self._prefill(rows)
+
+    def _prefill(self, rows: Sequence[PrefillRow]) -> None:
         last_hidden = []
         for row in rows:
             t = row.embeds.shape[0]

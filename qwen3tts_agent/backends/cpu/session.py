@@ -14,8 +14,13 @@ import torch
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int64}
 
 
-def session_options(threads: int) -> object:
-    """One intra-op pool of `threads` threads, sequential execution, all graph optimisations."""
+def session_options(threads: int, spin: bool = False) -> object:
+    """One intra-op pool of `threads` threads, sequential execution, all graph optimisations.
+
+    `spin`: pool threads busy-wait for the next op instead of sleeping. That saves a wake-up per op on
+    dedicated cores, but spinning threads steal the cores from the PyTorch ops between graph calls and from
+    other processes, which on a shared machine costs far more (docs/cpu-backend.md).
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -24,17 +29,18 @@ def session_options(threads: int) -> object:
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # warnings about unused initializers etc. are noise here
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
 
 
 class BoundSession:
     """An `InferenceSession` on the CPU provider, run through IOBindings over torch tensors."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, spin: bool = False) -> None:
         import onnxruntime as ort
 
         self.path = path
-        self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), session_options(threads, spin), providers=["CPUExecutionProvider"])
 
     def bind(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> object:
         """An IOBinding over these tensors (contiguous, on the CPU); they must outlive it."""
