@@ -96,7 +96,6 @@ def micro_benchmarks(hidden: int, ffn: int, q_size: int, kv_size: int, layers: i
     bf16 = [[w.bfloat16() for w in ws] for ws in weights]
     xb = {k: v.bfloat16() for k, v in xs.items()}
     record("torch_bf16_linear", median_ms(lambda: [F.linear(xb[w.shape[1]], w) for ws in bf16 for w in ws], 5), 2)
-    del bf16
     packed = []
     for ws in weights:
         for w in ws:
