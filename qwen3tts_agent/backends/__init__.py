@@ -6,7 +6,7 @@ and a streaming codec decoder (`StreamingCodecDecoder`'s interface). Both come f
 - "torch": the PyTorch path (`engine.runner`, `engine.codec`), with Triton kernels and CUDA graphs on a GPU;
   on a CPU it is eager fp32 PyTorch.
 - "int8": the CPU backend (`backends.cpu`): the talker and the code predictor as ONNX Runtime graphs with
-  8-bit weights, the codec decoder with its convolutions as plain GEMMs.
+  8-bit weights; the codec decoder with its short convolutions as GEMMs, in bfloat16 where the CPU has it.
 - "fp32": the same CPU backend with fp32 weights, which exists to prove it exact against the official model.
 - "auto": "int8" on a CPU, "torch" on a GPU.
 """
@@ -58,10 +58,16 @@ def create_runner(
 
 
 def create_codec(decoder: nn.Module, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:
-    """The streaming codec decoder of the official `decoder` for `backend` (`max_streams=` as the engine's)."""
+    """The streaming codec decoder of the official `decoder` for `backend` (`max_streams=` as the engine's).
+
+    "int8" decodes in bfloat16 where the CPU has it natively (`cpu.codec.native_bfloat16`), else in float32;
+    "fp32" keeps the decoder's float32, exact.
+    """
     backend = resolve_backend(backend, next(decoder.parameters()).device)
     if backend == "torch":
         return StreamingCodecDecoder(decoder, **codec_kwargs)  # type: ignore[arg-type]
-    from .cpu.codec import CpuCodecDecoder
+    from .cpu.codec import CpuCodecDecoder, native_bfloat16
 
+    if backend == "int8" and "compute_dtype" not in codec_kwargs and native_bfloat16():
+        codec_kwargs["compute_dtype"] = torch.bfloat16
     return CpuCodecDecoder(decoder, **codec_kwargs)  # type: ignore[arg-type]

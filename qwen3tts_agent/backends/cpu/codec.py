@@ -1,4 +1,5 @@
-"""`CpuCodecDecoder`: the exact streaming codec decoder, with the short convolutions run as one GEMM each.
+"""`CpuCodecDecoder`: the exact streaming codec decoder, with the short convolutions run as one GEMM each,
+in bfloat16 where the CPU computes it natively.
 
 A streaming chunk is a few frames, so the decoder's frame-rate convolutions see a handful of time steps
 against millions of weights (the first transposed conv: 1536 x 768 x 16). oneDNN's direct convolution is
@@ -6,9 +7,16 @@ slow on such shapes; as a GEMM (weights [out, in * kernel] times the input's ker
 a transposed conv the weights times the input, then an overlap-add of the kernel's stride-long pieces) the
 same sums run at the GEMM's speed. Long inputs (the audio-rate convolutions) keep the direct convolution.
 Results equal the module's to float rounding, so the decoder stays exact (tests/test_cpu_backend.py).
+
+The decoder's cost is arithmetic, not bytes: about 2.5 GMAC per frame, nearly all in the audio-rate
+convolutions. In float32 two cores do about 80 GFLOP/s of it; with `compute_dtype=torch.bfloat16` (the int8
+backend's choice on CPUs with AVX512-BF16 or AMX) oneDNN runs the same convolutions about twice as fast, on
+a bfloat16 copy of the decoder. That is not exact: benchmarks/bench_cpu.py reports the audio difference.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +32,14 @@ GEMM_MAX_STEPS = 64
 class CpuCodecDecoder(StreamingCodecDecoder):
     """`StreamingCodecDecoder` for the CPU backends (same interface, same results)."""
 
-    def __init__(self, decoder: nn.Module, max_streams: int, gemm_max_steps: int = GEMM_MAX_STEPS) -> None:
+    def __init__(
+        self, decoder: nn.Module, max_streams: int, gemm_max_steps: int = GEMM_MAX_STEPS,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`compute_dtype`: run a copy of the decoder in this dtype (None: the decoder's own). Audio comes
+        out in that dtype; the engine copies it into float32 host buffers."""
+        if compute_dtype is not None and compute_dtype != next(decoder.parameters()).dtype:
+            decoder = copy.deepcopy(decoder).to(compute_dtype)
         super().__init__(decoder, max_streams)
         self.gemm_max_steps = gemm_max_steps
         self._gemm_weights: dict[nn.Module, torch.Tensor] = {}
@@ -54,6 +69,11 @@ class CpuCodecDecoder(StreamingCodecDecoder):
             y = _transposed_conv_gemm(full, weight, conv.bias, stride, conv.out_channels)
             return y[..., history.size * stride : (history.size + x.shape[-1]) * stride]
         return _conv_gemm(full, weight, conv.bias, conv.kernel_size[0], conv.dilation[0])
+
+
+def native_bfloat16() -> bool:
+    """Whether oneDNN runs bfloat16 natively here (AVX512-BF16 or AMX); elsewhere it would emulate it."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _conv_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: int, dilation: int) -> torch.Tensor:
