@@ -26,6 +26,10 @@ from ...engine.runner import ModelRunner, PrefillRow
 from ...engine.sampling import DEFAULT_TOP_K_CAP
 from .session import BoundSession
 
+# Prompt tokens per talker-graph call: a longer prompt goes in pieces (each continuing the slot's cache), which
+# bounds GroupQueryAttention's score buffer (heads x tokens x keys floats) at no measurable cost.
+PREFILL_CHUNK = 256
+
 
 class CpuRunner(ModelRunner):
     """A `ModelRunner` whose transformer stacks run from converted graphs in `folder` (see `store.prepare`)."""
@@ -170,20 +174,27 @@ class CpuRunner(ModelRunner):
     def _prefill(self, rows: Sequence[PrefillRow]) -> None:
         last_hidden = []
         for row in rows:
-            t = row.embeds.shape[0]
-            end = row.start + t
-            if end > self.max_seq_len:
-                raise ValueError(f"prompt of {end} positions exceeds max_seq_len={self.max_seq_len}")
-            caches = self._stack_inputs((self.k_cache, self.v_cache), slice(row.slot, row.slot + 1))
-            out = torch.empty(1, t, self.hidden_size)
-            inputs = {
-                "x": row.embeds.to(self.dtype).reshape(1, t, -1).contiguous(),
-                "seqlens_k": torch.tensor([end - 1], dtype=torch.int32),
-                # a piece that starts the cache is a first prompt (total == t); a later one continues it
-                "total_len": torch.tensor([end], dtype=torch.int32),
-                "cos": self._t_rope[0], "sin": self._t_rope[1], **caches,
-            }
-            self._talker.run(self._talker.bind(inputs, {"y": out, **self._presents(caches)}))
+            if row.start + row.embeds.shape[0] > self.max_seq_len:
+                raise ValueError(f"prompt of {row.start + row.embeds.shape[0]} positions exceeds max_seq_len={self.max_seq_len}")
+            embeds = row.embeds.to(self.dtype)
+            for offset in range(0, embeds.shape[0], PREFILL_CHUNK):
+                out = self._prompt_piece(row.slot, row.start + offset, embeds[offset : offset + PREFILL_CHUNK])
             last_hidden.append(out[0, -1])
         self.finish_prefill(rows, self.norm(torch.stack(last_hidden)))
+
+    def _prompt_piece(self, slot: int, start: int, embeds: torch.Tensor) -> torch.Tensor:
+        """Talker graph on one slot's prompt tokens [t, hidden] at cache positions start..start+t-1."""
+        t = embeds.shape[0]
+        end = start + t
+        caches = self._stack_inputs((self.k_cache, self.v_cache), slice(slot, slot + 1))
+        out = torch.empty(1, t, self.hidden_size)
+        inputs = {
+            "x": embeds.reshape(1, t, -1).contiguous(),
+            "seqlens_k": torch.tensor([end - 1], dtype=torch.int32),
+            # a piece that starts the cache is a first prompt (total == t); a later one continues it
+            "total_len": torch.tensor([end], dtype=torch.int32),
+            "cos": self._t_rope[0], "sin": self._t_rope[1], **caches,
+        }
+        self._talker.run(self._talker.bind(inputs, {"y": out, **self._presents(caches)}))
+        return out
 
