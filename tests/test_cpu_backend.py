@@ -208,3 +208,26 @@ def test_conversion_is_cached_per_format(tmp_path) -> None:
     assert (built / "talker.onnx").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert time.perf_counter() - started < 1.0
     assert not list(tmp_path.glob(".*-building-*"))
+
+
+def test_prompt_in_pieces_equals_one_piece(monkeypatch) -> None:
+    """A prompt longer than PREFILL_CHUNK continues the slot's cache piece by piece, as if in one call."""
+    from qwen3tts_agent.backends.cpu import runner as cpu_runner
+    from qwen3tts_agent.engine.runner import PrefillRow
+
+    model = official_model("synthetic:tiny").model
+    embeds = torch.randn(23, model.config.talker_config.hidden_size, generator=torch.Generator().manual_seed(5))
+    states = []
+    for chunk in (1000, 7):
+        monkeypatch.setattr(cpu_runner, "PREFILL_CHUNK", chunk)
+        runner = create_runner(model, "fp32", max_slots=2, max_seq_len=64, max_text_tokens=64)
+        runner.reset_slot(1, dict(top_k=50, subtalker_top_k=50, seed=1, temperature=0.9, top_p=1.0, repetition_penalty=1.05,
+                                  subtalker_temperature=0.9, subtalker_top_p=1.0, do_sample=False, subtalker_do_sample=False,
+                                  ignore_eos=True))
+        runner.prefill([PrefillRow(1, 0, embeds[:5], False)])  # a head piece, then the rest
+        runner.prefill([PrefillRow(1, 5, embeds[5:], True)])
+        states.append((runner.k_cache[0][1, :, :23].clone(), runner.p_input[1].clone(), int(runner.code0[1])))
+    (k_one, p_one, code_one), (k_pieces, p_pieces, code_pieces) = states
+    torch.testing.assert_close(k_pieces, k_one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p_pieces, p_one, atol=1e-5, rtol=1e-5)
+    assert code_pieces == code_one
