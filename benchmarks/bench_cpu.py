@@ -80,7 +80,9 @@ def frame_bytes(model: torch.nn.Module, bytes_per_weight: float) -> dict[str, fl
 
 
 # ----------------------------------------------------------------- per-op candidates
-def micro_benchmarks(hidden: int, ffn: int, q_size: int, kv_size: int, layers: int, threads: int) -> dict[str, object]:
+def micro_benchmarks(
+    hidden: int, ffn: int, q_size: int, kv_size: int, layers: int, threads: int, compile_too: bool = False
+) -> dict[str, object]:
     """One talker step's projections (M = 1) for `layers` layers with each candidate runtime: ms and GB/s."""
     shapes = [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * ffn, hidden), (hidden, ffn)]
     params = layers * sum(n * k for n, k in shapes)
@@ -106,12 +108,29 @@ def micro_benchmarks(hidden: int, ffn: int, q_size: int, kv_size: int, layers: i
         pk = [(q, s.to(dtype)) for q, s in packed]
         record(f"torch_weight_int8pack_mm_{str(dtype)[6:]}",
                median_ms(lambda xd=xd, pk=pk: [torch.ops.aten._weight_int8pack_mm(xd[q.shape[1]], q, s) for q, s in pk], 3), 1)
-    del packed
     try:
         out.update(_ort_micro(weights, xs, threads, record))
     except ImportError as exc:
         out["onnxruntime"] = f"not run: {exc}"
+    if compile_too:
+        _compile_micro(packed, xs, record)
     return out
+
+
+def _compile_micro(packed, xs, record) -> None:
+    """torch.compile (inductor, CPU codegen) of the same projections with int8 weight-only GEMMs: the
+    dequantize-then-linear pattern that inductor lowers to its weight-only-quantized matmul."""
+
+    def projections(xb: dict[int, torch.Tensor], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        return [F.linear(xb[q.shape[1]], q.to(torch.bfloat16)) * s for q, s in layers]
+
+    xb = {k: v.bfloat16() for k, v in xs.items()}
+    layers = [(q, s.bfloat16()) for q, s in packed]
+    compiled = torch.compile(projections, dynamic=False)
+    started = time.perf_counter()
+    compiled(xb, layers)
+    log(f"  torch.compile took {time.perf_counter() - started:.1f} s")
+    record("torch_compile_int8_weight_only_bf16", median_ms(lambda: compiled(xb, layers), 5), 1)
 
 
 def _ort_micro(weights, xs, threads: int, record) -> dict[str, object]:
@@ -192,6 +211,15 @@ def agreement(official: object, frames: int, reference: tuple[np.ndarray, int]) 
         results[backend] = (np.asarray(result.codes), pcm)
         engine.close()
     (codes32, pcm32), (codes8, pcm8) = results["fp32"], results["int8"]
+    # the codec alone: the fp32 run's codes through the int8 backend's codec and through the fp32 one
+    from qwen3tts_agent.backends import create_codec
+
+    decoder = official.model.speech_tokenizer.model.decoder  # type: ignore[attr-defined]
+    codec_audio = {}
+    for backend in ("fp32", "int8"):
+        codec = create_codec(decoder, backend, max_streams=1)
+        codec_audio[backend] = codec.decode([0], torch.as_tensor(codes32)[None]).float()[0].numpy()
+    codec_noise = codec_audio["int8"] - codec_audio["fp32"]
     same = codes32 == codes8
     diverged = np.nonzero(~same.all(axis=1))[0]
     noise = pcm8 - pcm32
@@ -204,8 +232,64 @@ def agreement(official: object, frames: int, reference: tuple[np.ndarray, int]) 
         "audio_max_abs_diff": float(np.abs(noise).max()),
         "audio_rms_fp32": float(np.sqrt(np.mean(pcm32**2))),
         "audio_rms_diff": float(np.sqrt(np.mean(noise**2))),
+        "codec_only_dtype": str(codec.dtype),
+        "codec_only_rms_diff": float(np.sqrt(np.mean(codec_noise**2))),
+        "codec_only_max_abs_diff": float(np.abs(codec_noise).max()),
         "note": "random weights: agreement says how far int8 moves the numbers, not whether speech is better or worse",
     }
+
+
+# ----------------------------------------------------------------- codec beside the frame steps
+def overlap_estimate(model: torch.nn.Module, frames: int, threads: int) -> dict[str, float]:
+    """What a pipelined engine loop could reach on these cores: frame steps on one thread, the codec on another.
+
+    The batch-1 frame step is bound by memory bandwidth, which one core nearly saturates, while the codec is
+    bound by arithmetic. Today's engine runs both on its one thread, one after the other, each with all the
+    cores. Here they run at once, the frame steps with `threads - 1` ONNX Runtime threads (at least 1) and the
+    codec (8-frame chunks) with the rest: ms per frame = wall time / frames.
+    """
+    import threading
+
+    from qwen3tts_agent.backends import create_codec, create_runner
+
+    step_threads = max(1, threads // 2)
+    runner = create_runner(model, "int8", max_slots=1, max_seq_len=512, max_text_tokens=512, threads=step_threads)
+    codec = create_codec(model.speech_tokenizer.model.decoder, "int8", max_streams=1)
+    runner.active.zero_()
+    codes = torch.randint(0, 2048, (1, 8, 16))
+
+    def steps() -> None:
+        with torch.inference_mode():
+            for _ in range(frames):
+                runner.frame_step(1, 256)
+
+    def decodes() -> None:
+        torch.set_num_threads(max(1, threads - step_threads))
+        for _ in range(frames // 8):
+            codec.decode([0], codes)
+
+    steps(), decodes()  # warm-up
+    torch.set_num_threads(threads)
+    alone_steps = 1000 * _wall(steps) / frames
+    alone_codec = 1000 * _wall(decodes) / frames
+    torch.set_num_threads(threads)
+    pair = [threading.Thread(target=steps), threading.Thread(target=decodes)]
+    started = time.perf_counter()
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join()
+    overlapped = 1000 * (time.perf_counter() - started) / frames
+    torch.set_num_threads(threads)
+    return {"step_threads": step_threads, "codec_threads": max(1, threads - step_threads),
+            "frame_step_ms_alone": alone_steps, "codec_ms_per_frame_alone": alone_codec,
+            "overlapped_ms_per_frame": overlapped, "load_average": load_average()}
+
+
+def _wall(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 # ----------------------------------------------------------------- the peer
@@ -276,6 +360,9 @@ async def _one(engine: Engine, voice: Voice, sampling: SamplingParams):
         now = time.perf_counter()
         if not timing.first:
             timing.first = now
+            t = chunk.timings
+            timing.stages_ms = tuple(1000 * d for d in (
+                t.prefill_done - t.submitted, t.first_frame - t.prefill_done, t.ready - t.first_frame, now - t.ready))
         timing.worst_lag = max(timing.worst_lag, now - (timing.first + played))
         played += chunk.duration
     timing.end = time.perf_counter()
@@ -312,7 +399,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         cfg = model.config.talker_config
         layer = model.talker.model.layers[0]
         report["micro"] = micro_benchmarks(cfg.hidden_size, cfg.intermediate_size, layer.self_attn.q_proj.out_features,
-                                           layer.self_attn.k_proj.out_features, cfg.num_hidden_layers, args.threads)
+                                           layer.self_attn.k_proj.out_features, cfg.num_hidden_layers, args.threads,
+                                           compile_too=args.compile)
     reference = demo_reference()
     report["backends"] = {}
     for backend in args.backends:
@@ -328,6 +416,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     if args.agreement:
         report["int8_vs_fp32"] = agreement(official, args.frames, reference)
         log(f"int8 vs fp32: {report['int8_vs_fp32']}")
+    if args.overlap:
+        report["overlap"] = overlap_estimate(model, 48, args.threads)
+        log(f"frame steps and codec on separate threads: {report['overlap']}")
     report["ggml_peer"] = ggml_peer()
     report["load_average_end"] = load_average()
     return report
@@ -337,14 +428,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="synthetic:0.6b")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=["int8", "torch"])
+    parser.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["int8", "torch"],
+                        help="engines to run, side by side (empty: none)")
     parser.add_argument("--frames", type=int, default=100, help="fixed frames per stream (100 = 8 s)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--frame-reps", type=int, default=10)
     parser.add_argument("--concurrent", type=int, default=4, help="streams at once (0: skip)")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--micro", action="store_true", help="per-op micro benchmarks of the candidate runtimes")
+    parser.add_argument("--compile", action="store_true", help="with --micro: also torch.compile (slow to compile)")
     parser.add_argument("--agreement", action="store_true", help="int8 against fp32: codes and audio")
+    parser.add_argument("--overlap", action="store_true", help="frame steps and codec on two threads at once")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_cpu.json"))
     args = parser.parse_args()

@@ -4,7 +4,7 @@
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, timeline (where a 0.6B frame's time goes), loop (where a live stream's frame
 # period goes), parity, parity-1.7b (fp32),
-# engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b.
+# engine-0.6b, engine-1.7b, peers-0.6b, peers-1.7b, cpu-0.6b (the CPU backend on the host's CPU cores only).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -44,6 +44,14 @@ for stage in "$@"; do
                    --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
     engine-0.6b) official benchmarks/bench_engine.py --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    cpu-0.6b)
+      # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend with
+      # ONNX Runtime's threads spinning between ops (dedicated cores); docs/cpu-backend.md
+      threads=${CPU_THREADS:-16}
+      CUDA_VISIBLE_DEVICES= official benchmarks/bench_cpu.py --model synthetic:0.6b --threads "$threads" --micro \
+        --agreement --out "$out/cpu-0.6b.json" 2>&1 | tee "$out/cpu-0.6b.log"
+      CUDA_VISIBLE_DEVICES= QWEN3TTS_CPU_SPIN=1 official benchmarks/bench_cpu.py --model synthetic:0.6b --threads "$threads" \
+        --backends int8 --out "$out/cpu-0.6b-spin.json" 2>&1 | tee -a "$out/cpu-0.6b.log" ;;
     engine-1.7b) official benchmarks/bench_engine.py --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
