@@ -127,7 +127,7 @@ def test_fp32_batched_streams_match_single_streams() -> None:
 
 # ----------------------------------------------------------------- int8: the engine's features run on it
 def test_int8_engine_streams_text_batches_and_cancels() -> None:
-    engine = engine_for("synthetic:tiny", max_streams=4)  # backend "auto" on a CPU: int8
+    engine = engine_for("synthetic:tiny", max_streams=4, backend="auto")  # on a CPU: int8
     try:
         assert isinstance(engine._runner, CpuRunner) and engine._runner.weight_format == "int8"
         voice = Voice(prompt=engine.create_voice(reference_audio(), REF_TEXT))
@@ -231,3 +231,12 @@ def test_prompt_in_pieces_equals_one_piece(monkeypatch) -> None:
     torch.testing.assert_close(k_pieces, k_one, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(p_pieces, p_one, atol=1e-5, rtol=1e-5)
     assert code_pieces == code_one
+
+
+def test_prepare_command_converts_ahead_of_time(capsys) -> None:
+    from qwen3tts_agent.cli import main
+
+    assert main(["prepare", "--model", "synthetic:tiny", "--backend", "int8"]) == 0
+    folder = conversion_folder(official_model("synthetic:tiny").model, "int8")
+    assert folder is not None and (folder / "talker.onnx").is_file()
+    assert str(folder) in capsys.readouterr().out

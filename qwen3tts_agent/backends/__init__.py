@@ -8,7 +8,8 @@ and a streaming codec decoder (`StreamingCodecDecoder`'s interface). Both come f
 - "int8": the CPU backend (`backends.cpu`): the talker and the code predictor as ONNX Runtime graphs with
   8-bit weights; the codec decoder with its short convolutions as GEMMs, in bfloat16 where the CPU has it.
 - "fp32": the same CPU backend with fp32 weights, which exists to prove it exact against the official model.
-- "auto": "int8" on a CPU, "torch" on a GPU.
+- "auto": "int8" on a CPU, "torch" on a GPU (and on a CPU where the Triton kernels run interpreted, which
+  only their tests do).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..engine import kernels
 from ..engine.codec import StreamingCodecDecoder
 from ..engine.runner import ModelRunner
 
@@ -26,12 +28,16 @@ CPU_BACKENDS = ("int8", "fp32")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The concrete backend for `backend` on `device` ("auto": "int8" on a CPU, "torch" elsewhere)."""
+    """The concrete backend for `backend` on `device` ("auto": "int8" on a CPU, "torch" elsewhere).
+
+    "auto" picks the CPU backend only where the PyTorch path would be eager PyTorch: under TRITON_INTERPRET
+    (the Triton kernels' tests) it keeps the kernels' path.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
-        return "int8" if device.type == "cpu" else "torch"
+        return "int8" if device.type == "cpu" and not kernels.available(device) else "torch"
     if backend in CPU_BACKENDS and device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; the model is on {device}")
     return backend
