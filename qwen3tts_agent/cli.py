@@ -100,7 +100,8 @@ def _say(args: argparse.Namespace) -> int:
         result = stream.result
         print(f"wrote {args.out}: {result.audio_seconds:.2f} s of audio, {result.frames} frames ({result.finish_reason})")
         print(f"first audio: {1000 * (result.first_audio_latency or 0):.1f} ms   "
-              f"real-time factor: {result.real_time_factor:.2f}x (audio s / wall s)   device: {engine.device}")
+              f"real-time factor: {result.real_time_factor:.2f}x (audio s / wall s)   device: {engine.device}, "
+              f"backend: {engine.backend}")
         return 0
     finally:
         engine.close()

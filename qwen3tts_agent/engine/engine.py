@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backends import create_codec, create_runner
+from ..backends import create_codec, create_runner, resolve_backend
 from ..errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -186,9 +186,10 @@ class Engine:
 
         self.tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         self._prompts = PromptBuilder(model, self.tokenizer.role_ids())
+        self.backend = resolve_backend(backend, self.device)
         # one text-track token per frame at most, so a track never outgrows the cache
         self._runner = create_runner(
-            model, backend, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len,
+            model, self.backend, max_slots=max_streams, max_seq_len=max_seq_len, max_text_tokens=max_seq_len,
             top_k_cap=top_k_cap, fused_kernels=fused_kernels,
         )
         decoder = model.speech_tokenizer.model.decoder
@@ -209,7 +210,7 @@ class Engine:
         first_rows = min(FIRST_CHUNK_ROWS, max_streams) if self._first_stream is not None else 0
         # with graphs, the slots above max_streams are scratch rows that pad a call up to its graph's batch
         codec_slots = 2 * max_streams + first_rows if graphed else max_streams
-        self._codec = create_codec(decoder, backend, max_streams=codec_slots)
+        self._codec = create_codec(decoder, self.backend, max_streams=codec_slots)
         self._codec_states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._first_lane_done: torch.cuda.Event | None = None  # the last first-chunk decode
         self._voices = VoiceEncoder(official) if self.model_type == "base" else None
