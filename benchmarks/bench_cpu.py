@@ -31,7 +31,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import BENCH_TEXT, REF_TEXT, concurrency, log, pct, run_stream, summarize  # noqa: E402
+from benchmarks.bench_engine import (  # noqa: E402
+    BENCH_TEXT,
+    REF_TEXT,
+    concurrency,
+    log,
+    loop_profile,
+    pct,
+    run_stream,
+    summarize,
+)
 from qwen3tts_agent import Engine, SamplingParams, Voice  # noqa: E402
 from qwen3tts_agent.cli import demo_reference  # noqa: E402
 
@@ -317,6 +326,7 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
     report["frame_step"]["1"] = frame_step_ms(engine, 1, min(256, args.max_seq_len), args.frame_reps)
     log(f"{backend}: frame step b=1 {report['frame_step']['1']}  (load {load_average()})")
     for mode in ("greedy", "default"):
+        before = engine.stats()
         timings = []
         for i in range(args.runs + 1):
             sampling = (SamplingParams.greedy(seed=i, max_frames=args.frames, ignore_eos=True) if mode == "greedy"
@@ -325,7 +335,8 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
         timings = timings[1:]  # the first is a warm-up
         steady = [1000 * (t.end - t.first) / (args.frames - 1) for t in timings]
         report[f"single_stream_{mode}"] = {**summarize(timings, sum(t.end - t.submitted for t in timings)),
-                                           "ms_per_frame_p50": pct(steady, 50), "load_average": load_average()}
+                                           "ms_per_frame_p50": pct(steady, 50), "load_average": load_average(),
+                                           "engine_loop": loop_profile(before, engine.stats())}
         log(f"{backend} single stream ({mode}): first audio p50 {report[f'single_stream_{mode}']['first_audio_ms_p50']:.0f} ms, "
             f"RTF p50 {report[f'single_stream_{mode}']['per_stream_rtf_p50']:.2f}, {pct(steady, 50):.1f} ms/frame (load {load_average()})")
     engine.close()
