@@ -15,14 +15,13 @@ import hashlib
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from torch import nn
-from tqdm.auto import tqdm
 
+from ...progress import Progress
 from .graphs import WEIGHT_FORMATS, decoder_stack_graph, linear_graph, stack_shape
 
 logger = logging.getLogger(__name__)
@@ -91,8 +90,7 @@ def _convert(model: nn.Module, weight_format: str, folder: Path, progress: bool)
     t_layers, p_layers = list(talker.model.layers), list(predictor.model.layers)
     heads = list(predictor.lm_head) if weight_format == "int8" else []
     steps = len(t_layers) + len(p_layers) + len(heads)
-    show = progress and sys.stderr.isatty()
-    with tqdm(total=steps, desc=f"converting weights ({weight_format})", unit="layer", disable=not show) as bar:
+    with Progress(f"converting weights ({weight_format})", total=steps, unit="layer", enabled=progress, logger=logger) as bar:
         graphs = {
             "talker": decoder_stack_graph(t_layers, stack_shape(t_layers, talker.config), weight_format, progress=bar),
             "predictor": decoder_stack_graph(
