@@ -51,7 +51,6 @@ def quantize_int8(weight: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndar
 class StackShape:
     """The dimensions of one decoder stack (read from the official config)."""
 
-    layers: int
     hidden: int
     heads: int
     kv_heads: int
@@ -121,7 +120,7 @@ class _GraphBuilder:
 def stack_shape(layers: list[nn.Module], config: object) -> StackShape:
     attn, mlp = layers[0].self_attn, layers[0].mlp
     return StackShape(
-        layers=len(layers), hidden=config.hidden_size, heads=config.num_attention_heads,  # type: ignore[attr-defined]
+        hidden=config.hidden_size, heads=config.num_attention_heads,  # type: ignore[attr-defined]
         kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,  # type: ignore[attr-defined]
         ffn=mlp.gate_proj.weight.shape[0], eps=layers[0].input_layernorm.variance_epsilon, scaling=attn.scaling,
     )
