@@ -9,7 +9,7 @@
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
-# SOAK_UTTERANCES, SOAK_CONCURRENCY).
+# SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -69,6 +69,14 @@ for stage in "$@"; do
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
                  --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log" ;;
+    cpu-0.6b)
+      # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend with
+      # ONNX Runtime's threads spinning between ops (dedicated cores); docs/cpu-backend.md
+      threads=${CPU_THREADS:-16}
+      CUDA_VISIBLE_DEVICES= official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" --micro \
+        --agreement --out "$out/cpu-0.6b.json" 2>&1 | tee "$out/cpu-0.6b.log"
+      CUDA_VISIBLE_DEVICES= QWEN3TTS_CPU_SPIN=1 official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" \
+        --backends int8 --out "$out/cpu-0.6b-spin.json" 2>&1 | tee -a "$out/cpu-0.6b.log" ;;
     engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)

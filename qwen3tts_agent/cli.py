@@ -21,6 +21,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="hub id, local checkpoint folder, or synthetic:<tiny|0.6b|1.7b>[-<base|customvoice|voicedesign>]")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
+                        help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch on a GPU), torch, int8, "
+                             "fp32 (the CPU backend with fp32 weights); see docs/cpu-backend.md")
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +53,7 @@ def _say(args: argparse.Namespace) -> int:
     from .engine.engine import Engine
     from .progress import Progress
 
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
     try:
         voice = Voice(speaker=args.speaker, instruct=args.instruct)
         if engine.model_type == "base":
@@ -88,10 +91,33 @@ def _say(args: argparse.Namespace) -> int:
         result = stream.result
         print(f"wrote {args.out}: {result.audio_seconds:.2f} s of audio, {result.frames} frames ({result.finish_reason})")
         print(f"first audio: {1000 * (result.first_audio_latency or 0):.1f} ms   "
-              f"real-time factor: {result.real_time_factor:.2f}x (audio s / wall s)   device: {engine.device}")
+              f"real-time factor: {result.real_time_factor:.2f}x (audio s / wall s)   device: {engine.device}, "
+              f"backend: {engine.backend}")
         return 0
     finally:
         engine.close()
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="convert a checkpoint's weights for a CPU backend ahead of time (container images)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, local checkpoint folder, or synthetic:<spec>")
+    p.add_argument("--backend", default="int8", choices=("int8", "fp32"), help="the CPU backend's weight format")
+    p.set_defaults(func=_prepare)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    """Load the checkpoint on the CPU and write its converted graphs where `Engine.load` will find them
+    (beside the checkpoint, or the user cache when the checkpoint folder is read-only)."""
+    import torch
+
+    from .backends.cpu.store import prepare
+    from .models.loading import load_official_model
+
+    official = load_official_model(args.model, device="cpu", dtype=torch.float32)
+    started = time.perf_counter()
+    folder = prepare(official.model, args.backend)
+    print(f"{args.backend} weights of {args.model} ready in {folder} ({time.perf_counter() - started:.1f} s)")
+    return 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_say(sub)
+    _add_prepare(sub)
     _add_serve(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import StreamingCodecDecoder
+from ..backends import create_codec
 from .cuda_graphs import GraphedCodecDecode, power_of_two_buckets
 from .host import upload
 from .prompt import PromptSpec
@@ -62,6 +62,7 @@ class AudioPipeline:
         chunk_schedule: Sequence[int],
         graphed: bool,
         overlap: bool,
+        backend: str = "torch",
     ) -> None:
         self.device = device
         self._codec_stream: torch.cuda.Stream | None = None
@@ -74,7 +75,7 @@ class AudioPipeline:
         first_rows = min(FIRST_CHUNK_ROWS, max_streams) if self._first_stream is not None else 0
         # live codec slots [0, 2M); with graphs, scratch rows above them pad a call up to its graph's batch
         live = 2 * max_streams
-        self.codec = StreamingCodecDecoder(decoder, max_streams=live + (max_streams + first_rows if graphed else 0))
+        self.codec = create_codec(decoder, backend, max_streams=live + (max_streams + first_rows if graphed else 0))
         self._free_slots = list(range(live))  # codec slots no request owns (their last decode may be pending)
         self._last_use: dict[int, torch.cuda.Event | None] = {}  # codec slot -> its last decode's event
         self._slot_of: dict[str, int] = {}  # request id -> its codec slot

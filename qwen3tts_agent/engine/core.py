@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..backends import create_runner
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
@@ -49,7 +50,7 @@ from .messages import (
     FinishOutput,
 )
 from .prompt import PromptBuilder, PromptSpec
-from .runner import ModelRunner, PrefillRow
+from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
 from .scheduler import PrefillPlan, PromptShape, RequestState, Scheduler, StepPacer
 from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
@@ -79,6 +80,7 @@ class CoreConfig:
 
     max_streams: int = 16
     max_seq_len: int = 2048
+    backend: str = "torch"  # a resolved backend (`qwen3tts_agent.backends`): "torch", "int8" or "fp32"
     chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
     keep_codes: bool = False
     use_cuda_graphs: bool = True
@@ -117,8 +119,8 @@ class EngineCore:
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
         # one text-track token per frame at most, so a track never outgrows the cache
-        self.runner = ModelRunner(
-            model, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
+        self.runner = create_runner(
+            model, config.backend, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
             max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap, fused_kernels=config.fused_kernels,
         )
         self.scheduler = Scheduler(
@@ -131,7 +133,7 @@ class EngineCore:
         graphed = cuda and config.use_cuda_graphs
         self.audio = AudioPipeline(
             model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
-            chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec,
+            chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec, backend=config.backend,
         )
         # Steps and prompts run on streams of the highest priority, so codec work only fills their gaps; the
         # prompt lane is separate from the steps' stream, so a new prompt runs beside the step in flight.

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends import resolve_backend
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
@@ -99,24 +100,28 @@ class Engine(EngineFrontend):
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         shed_when_behind: bool | None = None,
         adapt_chunks: bool | None = None,
+        backend: str = "auto",
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
         time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU.
         `adapt_chunks`: a stream whose next chunk is nearly due gets its frames decoded at once instead of
         in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
-        where an engine near real time would otherwise cut most chunks short."""
+        where an engine near real time would otherwise cut most chunks short.
+        `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
+        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
         self.device = next(model.talker.parameters()).device
         self.dtype = next(model.talker.parameters()).dtype
+        self.backend = resolve_backend(backend, self.device)
         if max_streams == "auto":
             max_streams = auto_max_streams(model, max_seq_len)
         if not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be a positive number or 'auto', got {max_streams!r}")
         self._config = CoreConfig(
-            max_streams=max_streams, max_seq_len=max_seq_len, chunk_schedule=tuple(chunk_schedule),
+            max_streams=max_streams, max_seq_len=max_seq_len, backend=self.backend, chunk_schedule=tuple(chunk_schedule),
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,

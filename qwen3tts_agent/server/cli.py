@@ -49,6 +49,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--max-streams", default="auto",
                    help="engine stream slots (rows of the batched step); 'auto': what the device holds "
                    "(up to 256 on a GPU, by free memory; 16 on the CPU)")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
+                   help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch + Triton on a GPU), torch, "
+                   "int8, fp32; see docs/cpu-backend.md")
     p.add_argument("--engine-core", choices=["process", "thread"], default="process",
                    help="run the engine's step loop in a process of its own (default; restarted if it dies) "
                    "or on a thread of the server's process")
@@ -101,11 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
         launch = CoreLaunch(
             args.model, default_core_address(), device=args.device, dtype=args.dtype,
-            engine_kwargs={"max_streams": max_streams}, warmup=config.warmup, log_level=args.log_level,
+            engine_kwargs={"max_streams": max_streams, "backend": args.backend}, warmup=config.warmup,
+            log_level=args.log_level,
         )
         return serve(config, launch, workers=args.workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
     app = create_app(config, engine_factory=lambda: Engine.load(
-        args.model, device=args.device, dtype=args.dtype, max_streams=max_streams
+        args.model, device=args.device, dtype=args.dtype, max_streams=max_streams, backend=args.backend
     ))
     server = uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level))
     state = app.state.server

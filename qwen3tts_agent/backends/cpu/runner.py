@@ -1,0 +1,200 @@
+"""`CpuRunner`: the engine's `ModelRunner`, with the talker and the code predictor run as ONNX Runtime graphs.
+
+Everything the engine sees stays as it is: the slot tables, the text track, sampling and the frame outputs
+are `ModelRunner`'s own (PyTorch, a few dozen small ops per frame). What changes is where the bytes are read:
+a talker step is one call of the talker graph over rows 0..b-1, a predictor step one call of the predictor
+graph, and in the int8 format each predictor head is one 8-bit GEMV. At batch 1 a frame reads every weight
+of the talker once and the predictor's fifteen times, so its cost is set by memory bandwidth; 8-bit weights
+read a quarter of fp32's bytes.
+
+The KV caches are `ModelRunner`'s tensors, handed to the graphs by pointer. Rows that are not active in a
+step still run (fixed batch), writing their key at their own next position, which the row's next real token
+overwrites before anything reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...engine.runner import ModelRunner, PrefillRow
+from ...engine.sampling import DEFAULT_TOP_K_CAP
+from .session import BoundSession
+
+# Prompt tokens per talker-graph call: a longer prompt goes in pieces (each continuing the slot's cache), which
+# bounds GroupQueryAttention's score buffer (heads x tokens x keys floats) at no measurable cost.
+PREFILL_CHUNK = 256
+
+
+class CpuRunner(ModelRunner):
+    """A `ModelRunner` whose transformer stacks run from converted graphs in `folder` (see `store.prepare`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        folder: Path,
+        weight_format: str,
+        *,
+        max_slots: int,
+        max_seq_len: int,
+        max_text_tokens: int,
+        top_k_cap: int = DEFAULT_TOP_K_CAP,
+        threads: int | None = None,
+        spin: bool | None = None,
+    ) -> None:
+        """`threads`: ONNX Runtime's intra-op threads (default: PyTorch's thread count). `spin`: let them
+        busy-wait between ops (default: the QWEN3TTS_CPU_SPIN environment variable, else off)."""
+        super().__init__(
+            model, max_slots=max_slots, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens,
+            top_k_cap=top_k_cap, fused_kernels=False,
+        )
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(f"the CPU backend runs float32 models on the CPU, not {self.dtype} on {self.device}")
+        self.weight_format = weight_format
+        threads = threads or torch.get_num_threads()
+        if spin is None:
+            spin = os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1"
+        self.threads, self.spin = threads, spin
+        self._talker = BoundSession(folder / "talker.onnx", threads, spin)
+        self._predictor = BoundSession(folder / "predictor.onnx", threads, spin)
+        heads = sorted(folder.glob("head_*.onnx"), key=lambda p: int(p.stem.split("_")[1]))
+        self._heads = {id(head): BoundSession(path, threads, spin) for head, path in zip(self.p_heads, heads, strict=False)}
+        # GroupQueryAttention's rotary tables: cos and sin of each position's angles [positions, head_dim / 2]
+        half = self.cos.shape[-1] // 2
+        self._t_rope = (self.cos[:, :half].contiguous(), self.sin[:, half:].contiguous())
+        self._p_rope = (self.p_cos[:, :half].contiguous(), self.p_sin[:, half:].contiguous())
+        int32 = dict(dtype=torch.int32)
+        self._t_seqlens = torch.zeros(max_slots, **int32)
+        self._t_total = torch.full((1,), max_seq_len + 1, **int32)  # > 1: every one-token call is a decode step
+        self._p_seqlens = torch.zeros(max_slots, **int32)
+        self._p_total = torch.zeros(1, **int32)
+        self._t_out = torch.zeros(max_slots, 1, self.hidden_size)
+        p_hidden = self.p_layers[0].w_o.shape[0]
+        self._p_out = {t: torch.zeros(max_slots, t, p_hidden) for t in (1, 2)}
+        self._talker_bindings: dict[int, object] = {}
+        self._predictor_bindings: dict[tuple[int, int], object] = {}
+
+    # ----------------------------------------------------------------- bindings (made once per batch size)
+    def _stack_inputs(self, caches: tuple[list[torch.Tensor], list[torch.Tensor]], rows: slice) -> dict[str, torch.Tensor]:
+        bound = {}
+        for i, (k, v) in enumerate(zip(*caches, strict=True)):
+            bound[f"past_key_{i}"], bound[f"past_value_{i}"] = k[rows], v[rows]
+        return bound
+
+    @staticmethod
+    def _presents(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The present caches: the same memory as the past ones (GroupQueryAttention's shared buffer)."""
+        return {name.replace("past_", "present_"): t for name, t in inputs.items() if name.startswith("past_")}
+
+    def _talker_binding(self, b: int) -> object:
+        binding = self._talker_bindings.get(b)
+        if binding is None:
+            caches = self._stack_inputs((self.k_cache, self.v_cache), slice(0, b))
+            inputs = {
+                "x": self.talker_input[:b].view(b, 1, -1), "seqlens_k": self._t_seqlens[:b], "total_len": self._t_total,
+                "cos": self._t_rope[0], "sin": self._t_rope[1], **caches,
+            }
+            binding = self._talker.bind(inputs, {"y": self._t_out[:b], **self._presents(caches)})
+            self._talker_bindings[b] = binding
+        return binding
+
+    def _predictor_binding(self, b: int, t: int) -> object:
+        binding = self._predictor_bindings.get((b, t))
+        if binding is None:
+            x = self.p_input[:b] if t == 2 else self.p_step_input[:b].view(b, 1, -1)
+            caches = self._stack_inputs((self.pk_cache, self.pv_cache), slice(0, b))
+            inputs = {
+                "x": x, "seqlens_k": self._p_seqlens[:b], "total_len": self._p_total,
+                "cos": self._p_rope[0], "sin": self._p_rope[1], **caches,
+            }
+            binding = self._predictor.bind(inputs, {"y": self._p_out[t][:b], **self._presents(caches)})
+            self._predictor_bindings[(b, t)] = binding
+        return binding
+
+    # ----------------------------------------------------------------- the frame
+    @contextlib.contextmanager
+    def _torch_single_threaded(self) -> Iterator[None]:
+        """PyTorch's ops between graph calls are tiny (sampling over a few thousand logits); with its own
+        OpenMP team beside ONNX Runtime's pool, the two sets of threads fight for the cores."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:
+        with self._torch_single_threaded():
+            super().frame_step(b, kv_len, talker_sampling, predictor_sampling)
+
+    def predict_codes(self, b: int, sampling: bool = True) -> None:
+        """The 15 predictor steps: one graph call each (the first on 2 positions), then one head and a draw."""
+        for code in range(1, self.num_groups):
+            t = 2 if code == 1 else 1
+            last = code  # the position of this step's last token (0, 1 on the first step; then 2..15)
+            self._p_seqlens[:b].fill_(last)
+            self._p_total.fill_(last + 1)
+            self._predictor.run(self._predictor_binding(b, t))
+            hidden = self._p_out[t][:b, -1]
+            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1]), code, b, sampling)
+
+    def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
+        """The talker graph on this frame's input rows; every row writes at its own position."""
+        del kv_len  # each row attends over its own positions (seqlens_k), not a shared length
+        self._t_seqlens[:b].copy_(self.pos[:b])
+        self._talker.run(self._talker_binding(b))
+        hidden = self._t_out[:b, 0]
+        logits = self._logits(hidden, self.norm, self.codec_head)
+        self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
+
+    def _logits(self, x: torch.Tensor, norm: nn.Module, head: nn.Linear) -> torch.Tensor:
+        """head(norm(x)); a predictor head is an 8-bit GEMV in the int8 format."""
+        session = self._heads.get(id(head))
+        h = norm(x)
+        if session is None:
+            return head(h)
+        h = h.contiguous()
+        logits = torch.empty(h.shape[0], head.out_features)
+        session.run(session.bind({"x": h}, {"y": logits}))
+        return logits
+
+    # ----------------------------------------------------------------- prompts
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        """Each prompt piece is one talker-graph call on its slot's cache (pieces differ in length and start)."""
+        with self._torch_single_threaded():
+            self._prefill(rows)
+
+    def _prefill(self, rows: Sequence[PrefillRow]) -> None:
+        last_hidden = []
+        for row in rows:
+            if row.start + row.embeds.shape[0] > self.max_seq_len:
+                raise ValueError(f"prompt of {row.start + row.embeds.shape[0]} positions exceeds max_seq_len={self.max_seq_len}")
+            embeds = row.embeds.to(self.dtype)
+            for offset in range(0, embeds.shape[0], PREFILL_CHUNK):
+                out = self._prompt_piece(row.slot, row.start + offset, embeds[offset : offset + PREFILL_CHUNK])
+            last_hidden.append(out[0, -1])
+        self.finish_prefill(rows, self.norm(torch.stack(last_hidden)))
+
+    def _prompt_piece(self, slot: int, start: int, embeds: torch.Tensor) -> torch.Tensor:
+        """Talker graph on one slot's prompt tokens [t, hidden] at cache positions start..start+t-1."""
+        t = embeds.shape[0]
+        end = start + t
+        caches = self._stack_inputs((self.k_cache, self.v_cache), slice(slot, slot + 1))
+        out = torch.empty(1, t, self.hidden_size)
+        inputs = {
+            "x": embeds.reshape(1, t, -1).contiguous(),
+            "seqlens_k": torch.tensor([end - 1], dtype=torch.int32),
+            # a piece that starts the cache is a first prompt (total == t); a later one continues it
+            "total_len": torch.tensor([end], dtype=torch.int32),
+            "cos": self._t_rope[0], "sin": self._t_rope[1], **caches,
+        }
+        self._talker.run(self._talker.bind(inputs, {"y": out, **self._presents(caches)}))
+        return out
+
