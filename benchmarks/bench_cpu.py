@@ -171,7 +171,7 @@ def _ort_micro(weights, xs, threads: int, record) -> dict[str, object]:
 # ----------------------------------------------------------------- the frame step alone
 def frame_step_ms(engine: Engine, batch: int, kv_len: int, reps: int) -> dict[str, float]:
     """ms of `runner.frame_step` and of its predictor half, every row inactive (same work, no state moves)."""
-    runner = engine._runner
+    runner = engine.core.runner
     saved = runner.active.clone()
     runner.active.zero_()
     with torch.inference_mode():
@@ -184,7 +184,7 @@ def frame_step_ms(engine: Engine, batch: int, kv_len: int, reps: int) -> dict[st
 
 
 def codec_ms(engine: Engine, batch: int, frames: int, reps: int) -> float:
-    codec = engine._codec
+    codec = engine.core.audio.codec
     codes = torch.randint(0, 2048, (batch, frames, 16))
     slots = list(range(batch))
     for slot in slots:
@@ -194,7 +194,7 @@ def codec_ms(engine: Engine, batch: int, frames: int, reps: int) -> float:
 
 def state_bytes_per_stream(engine: Engine) -> float:
     """Bytes of per-slot state (KV caches, slot tables, text track, codec state) per stream slot."""
-    runner, codec = engine._runner, engine._codec
+    runner, codec = engine.core.runner, engine.core.audio.codec
     tensors = [*runner.k_cache, *runner.v_cache, *runner.pk_cache, *runner.pv_cache, runner.text_embeds, runner.seen]
     total = sum(t.numel() * t.element_size() for t in tensors) / runner.max_slots
     codec_total = sum(h.buffer.numel() * h.buffer.element_size() for h in codec._histories()) / codec.max_streams

@@ -63,7 +63,7 @@ def test_fp32_voice_clone_matches_official(layout: TextLayout, icl: bool) -> Non
     official_codes = seen[0][items[0].ref_code.shape[0]:] if icl else seen[0]
     engine = engine_for("synthetic:tiny", backend="fp32")
     try:
-        assert isinstance(engine._runner, CpuRunner) and isinstance(engine._codec, CpuCodecDecoder)
+        assert isinstance(engine.core.runner, CpuRunner) and isinstance(engine.core.audio.codec, CpuCodecDecoder)
         voice = engine.create_voice(ref, REF_TEXT if icl else None, x_vector_only=not icl)
         pcm, codes = _ours(engine, Voice(prompt=voice), layout)
     finally:
@@ -129,7 +129,7 @@ def test_fp32_batched_streams_match_single_streams() -> None:
 def test_int8_engine_streams_text_batches_and_cancels() -> None:
     engine = engine_for("synthetic:tiny", max_streams=4, backend="auto")  # on a CPU: int8
     try:
-        assert isinstance(engine._runner, CpuRunner) and engine._runner.weight_format == "int8"
+        assert isinstance(engine.core.runner, CpuRunner) and engine.core.runner.weight_format == "int8"
         voice = Voice(prompt=engine.create_voice(reference_audio(), REF_TEXT))
         sampling = SamplingParams(seed=3, max_frames=20)
         # streaming text, word by word, next to a whole-text stream and one that is cancelled

@@ -27,7 +27,7 @@ GREEDY = SamplingParams.greedy(max_frames=8)
 def core() -> EngineProcess:
     address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-core-{os.getpid()}.sock"
     process = EngineProcess(
-        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 4, "keep_codes": True}, warmup=False),
+        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 4, "keep_codes": True, "backend": "torch"}, warmup=False),
         backoff_s=(0.2, 1.0),
     )
     process.start(timeout=180)
