@@ -337,6 +337,7 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0])
     parser.add_argument("--held", type=int, nargs="*", default=[], help="closed loop: streams held at once")
+    parser.add_argument("--http-rates", type=float, nargs="*", help="rates for the HTTP transport (default: --rates)")
     parser.add_argument("--transports", nargs="+", default=["ws"], choices=["ws", "http"])
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals before the window")
@@ -357,8 +358,10 @@ def main() -> None:
             "command": " ".join(sys.argv), "model": args.model, "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": [],
         }
+        report["server_gauges_start"] = {k: v for k, v in scrape(url, args.api_key).items() if not _cumulative(k)}
         for transport in args.transports:
-            for rate in args.rates:
+            rates = args.http_rates if transport == "http" and args.http_rates is not None else args.rates
+            for rate in rates:
                 print(f"[{time.strftime('%H:%M:%S')}] {transport} at {rate:g} req/s ...", flush=True)
                 summary = run_rate(args, url, rate, transport)
                 report["runs"].append(summary)  # type: ignore[union-attr]

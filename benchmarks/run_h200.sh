@@ -44,7 +44,8 @@ for stage in "$@"; do
     timeline) official -m benchmarks.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
     loop) official -m benchmarks.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
-    parity) official -m benchmarks.gpu_parity --model synthetic:0.6b --frames 205 $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
+    parity) official -m benchmarks.gpu_parity --model synthetic:0.6b --frames 205 ${PARITY_DTYPES:+--dtypes $PARITY_DTYPES} \
+              $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
     parity-1.7b) official -m benchmarks.gpu_parity --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
                    --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
     # fp32 with TF32 off (gpu_parity sets it): head_dim 24/40, GQA 5:1/3:1, predictor as wide as the talker;
@@ -60,7 +61,8 @@ for stage in "$@"; do
                    --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
                official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
-                 --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --duration ${LOAD_WINDOW:-60} --warmup 5 \
+                 --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
+                 --duration ${LOAD_WINDOW:-60} --warmup 5 \
                  --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log" ;;
     load-0.6b) checkpoint synthetic:0.6b > /dev/null
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
