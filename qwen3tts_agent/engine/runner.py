@@ -176,7 +176,7 @@ class ModelRunner:
             "suppress": self.suppress, "codec_embedding": self.codec_embedding.weight,
         }
 
-    def _kernel_paths(self, model: torch.nn.Module, requested: bool) -> dict[str, str]:
+    def _kernel_paths(self, model: OfficialModule, requested: bool) -> dict[str, str]:
         """Which stacks run as the Triton kernels: "triton", or "pytorch (why not)" per stack.
 
         A stack runs fused only if every kernel family it uses takes its shapes (`supports`), so no shape
