@@ -86,7 +86,8 @@ class StreamingCodecDecoder:
     `prime(slot, ref_codes)` for voice-clone reference codes, then `decode(slots, codes)` chunk by chunk.
     The concatenated chunks equal the official decoder's forward over all codes at once (to float rounding).
     State lives on the decoder's device and dtype (`device`, `dtype`); move the module before building this.
-    Memory per slot with the real shapes: ~4.7 MB of keys/values and ~0.5 MB of conv history in fp32.
+    Memory per slot: the transformer's keys and values over its sliding window and each conv's history
+    (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
     def __init__(self, decoder: nn.Module, max_streams: int) -> None:

@@ -104,9 +104,9 @@ class GraphedFrameStep:
 class GraphedPrefill:
     """CUDA graphs of the batched prompt forward, one per (rows, tokens, KV length) bucket.
 
-    An eager prompt forward launches hundreds of kernels from Python (tens of ms of host time on an H200,
-    plus one-off library set-up for each new prompt length); a replay is one launch, so admitting a batch of
-    requests costs the running streams about one frame. Pieces beyond the largest bucket run eagerly.
+    An eager prompt forward launches hundreds of kernels from Python (host time far above a frame's, plus
+    one-off library set-up for each new prompt length; docs/performance.md); a replay is one launch, so
+    admitting a batch of requests costs the running streams about one frame. Pieces beyond the largest bucket run eagerly.
     """
 
     def __init__(
@@ -194,8 +194,8 @@ class GraphedPrefill:
 class GraphedCodecDecode:
     """CUDA graphs of the streaming codec decoder, one per (batch bucket, chunk frames).
 
-    The eager decoder launches a few hundred small kernels per call, which costs ~25 ms of host time on an
-    H200 whatever the batch; a replay costs a launch. Padding rows use the codec's scratch slots from
+    The eager decoder launches a few hundred small kernels per call, whose host time (docs/performance.md)
+    exceeds the decode's GPU time whatever the batch; a replay costs a launch. Padding rows use the codec's scratch slots from
     `scratch_start` on (above every live stream's slot), so a padded call never touches a live stream's state.
     Two instances with separate scratch slots may replay at the same time on different CUDA streams: each
     has its own static buffers and memory pool.
