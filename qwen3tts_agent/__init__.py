@@ -1,12 +1,14 @@
 """qwen3tts-agent: a real-time streaming Qwen3-TTS engine for voice agents."""
 
+from .engine.client import EngineClient
 from .engine.engine import Engine
-from .engine.frontend import EngineStats
+from .engine.frontend import EngineFrontend, EngineStats
 from .engine.stream import SpeechStream
 from .engine.types import (
     SAMPLE_RATE,
     AudioChunk,
     ChunkTimings,
+    FinishReason,
     SamplingParams,
     StreamResult,
     TextLayout,
@@ -19,7 +21,10 @@ __all__ = [
     "AudioChunk",
     "ChunkTimings",
     "Engine",
+    "EngineClient",
+    "EngineFrontend",
     "EngineStats",
+    "FinishReason",
     "SamplingParams",
     "SpeechStream",
     "StreamResult",

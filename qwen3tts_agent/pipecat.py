@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import Engine, SamplingParams, SpeechStream, StreamResult, Voice, VoicePrompt
+from . import Engine, EngineFrontend, SamplingParams, SpeechStream, StreamResult, Voice, VoicePrompt
 from .errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -102,7 +102,8 @@ class _Utterance:
 
 
 class Qwen3TTSService(TTSService):
-    """Streams speech from a shared qwen3tts-agent ``Engine``, one engine stream per utterance.
+    """Streams speech from a shared qwen3tts-agent engine (an ``Engine`` in this process, or an ``EngineClient``
+    of an engine-core process), one engine stream per utterance.
 
     In ``TextAggregationMode.TOKEN`` the LLM's text deltas go into ONE engine stream per turn as
     they arrive, so speech starts on the first words and prosody runs on across sentences; in
@@ -121,7 +122,7 @@ class Qwen3TTSService(TTSService):
     def __init__(
         self,
         *,
-        engine: Engine,
+        engine: EngineFrontend,
         voices: Mapping[str, VoicePrompt] | None = None,
         chunk_schedule: Sequence[int] | None = None,
         settings: Qwen3TTSSettings | None = None,
@@ -130,7 +131,8 @@ class Qwen3TTSService(TTSService):
         """Initialize the service.
 
         Args:
-            engine: A loaded engine, shared by every service in the process.
+            engine: A loaded engine (`Engine`, shared by every service in the process) or an `EngineClient`
+                of an engine-core process (shared by bots in many processes).
             voices: Cloned voices that ``Settings.voice`` can name.
             chunk_schedule: Frames (80 ms each) per audio chunk, first to last; None for the engine's.
             settings: Runtime-updatable settings; defaults to no voice, "auto" language, engine sampling.
