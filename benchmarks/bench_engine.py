@@ -197,14 +197,14 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
     With the Triton layer kernels on, the same graphs are also timed on the PyTorch layer path (`*_torch_ms`).
     """
     runner = engine.core.runner
-    fused = runner.fused_kernels
+    fused = runner.fused_talker and runner.fused_predictor
     out: dict[str, dict[str, float]] = {}
     saved_active = runner.active.clone()
     runner.active.zero_()  # every row inactive: the same work, but no slot's state moves
     for b in sizes:
         row = {}
         for kernels_on in (True, False) if fused else (False,):
-            runner.fused_kernels = kernels_on
+            runner.fused_talker = runner.fused_predictor = kernels_on
             suffix = "_ms" if kernels_on == fused else "_torch_ms"
             for name, fn in {
                 "frame": lambda b=b: runner.frame_step(b, kv_len),
@@ -213,7 +213,7 @@ def graph_frame_ms(engine: Engine, sizes: list[int], kv_len: int, reps: int) -> 
             }.items():
                 with torch.inference_mode():
                     row[name + suffix] = 1000 * time_stack(fn, engine.device, reps)
-        runner.fused_kernels = fused
+        runner.fused_talker = runner.fused_predictor = fused
         out[str(b)] = row
         log(f"  graph batch {b}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     runner.active.copy_(saved_active)
@@ -342,16 +342,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         }
         log(f"single stream: {report['single_stream']}")
         if cuda:
-            report["fused_kernels"] = engine.core.runner.fused_kernels
+            report["kernel_paths"] = dict(engine.core.runner.kernel_paths)
             report["graph_replay"] = graph_frame_ms(engine, [1], kv_len=min(256, args.max_seq_len), reps=50)
-            fused = engine.core.runner.fused_kernels
+            runner = engine.core.runner
+            fused = runner.fused_talker and runner.fused_predictor
             report["kernel_breakdown_b1"] = {}
             for kernels_on in (True, False) if fused else (False,):
-                engine.core.runner.fused_kernels = kernels_on
+                runner.fused_talker = runner.fused_predictor = kernels_on
                 name = "triton_layers" if kernels_on else "torch_layers"
                 report["kernel_breakdown_b1"][name] = kernel_breakdown(engine, kv_len=min(256, args.max_seq_len))
                 log(f"kernels of one frame, {name}: {json.dumps(report['kernel_breakdown_b1'][name])}")
-            engine.core.runner.fused_kernels = fused
+            runner.fused_talker = runner.fused_predictor = fused
         engine.close()
         del engine
 

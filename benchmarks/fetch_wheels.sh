@@ -54,6 +54,7 @@ SERVER=(
     typing-inspection==0.4.5
     opentelemetry-api==1.45.2  # fastapi 0.165 requires it
     typing-extensions==4.16.0  # pydantic 2.14 wants >=4.16; the machine's version is not on record
+    pyzmq==27.3.0              # engine clients <-> the engine-core process
 )
 COMMON=(
     librosa==0.11.0
@@ -66,19 +67,6 @@ COMMON=(
     cffi==2.1.1
     pycparser==3.12
     sox==1.4.1                  # 1.5.0 ships no wheel; only the unused 25 Hz tokenizer imports it
-)
-
-SERVER=(
-    fastapi==0.165.0
-    starlette==1.10.0
-    uvicorn==0.54.0
-    websockets==17.4
-    pydantic==2.14.4
-    pydantic-core==2.50.5
-    annotated-types==0.8.0
-    typing-inspection==0.4.5
-    opentelemetry-api==1.45.2   # fastapi 0.165 imports it
-    pyzmq==27.3.0               # engine clients <-> the engine-core process
 )
 
 PLATFORMS=()
