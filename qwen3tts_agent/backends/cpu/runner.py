@@ -56,6 +56,11 @@ class CpuRunner(ModelRunner):
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ValueError(f"the CPU backend runs float32 models on the CPU, not {self.dtype} on {self.device}")
         self.weight_format = weight_format
+        # what the engine's stats report per stack (`EngineStats.kernel_paths`)
+        self.kernel_paths = {
+            "talker": f"onnxruntime ({weight_format})", "predictor": f"onnxruntime ({weight_format})",
+            "codec": self.kernel_paths["codec"],
+        }
         threads = threads or torch.get_num_threads()
         if spin is None:
             spin = os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1"
@@ -142,7 +147,7 @@ class CpuRunner(ModelRunner):
             self._p_total.fill_(last + 1)
             self._predictor.run(self._predictor_binding(b, t))
             hidden = self._p_out[t][:b, -1]
-            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1]), code, b, sampling)
+            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1], False), code, b, sampling)
 
     def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
         """The talker graph on this frame's input rows; every row writes at its own position."""
@@ -150,11 +155,11 @@ class CpuRunner(ModelRunner):
         self._t_seqlens[:b].copy_(self.pos[:b])
         self._talker.run(self._talker_binding(b))
         hidden = self._t_out[:b, 0]
-        logits = self._logits(hidden, self.norm, self.codec_head)
+        logits = self._logits(hidden, self.norm, self.codec_head, False)
         self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
 
-    def _logits(self, x: torch.Tensor, norm: nn.Module, head: nn.Linear) -> torch.Tensor:
-        """head(norm(x)); a predictor head is an 8-bit GEMV in the int8 format."""
+    def _logits(self, x: torch.Tensor, norm: nn.Module, head: nn.Linear, fused: bool = False) -> torch.Tensor:
+        """head(norm(x)); a predictor head is an 8-bit GEMV in the int8 format (`fused`: unused, no Triton here)."""
         session = self._heads.get(id(head))
         h = norm(x)
         if session is None:
