@@ -30,7 +30,7 @@ from .frontend import EngineFrontend, EngineStats, error_from_info
 from .messages import CoreRequest, ErrorInfo
 from .text import TextTokenizer
 from .types import VoicePrompt
-from .voices import AudioInput, load_voice, read_reference_audio, save_voice
+from .voices import AudioInput, read_reference_audio
 
 logger = logging.getLogger(__name__)
 
@@ -242,13 +242,6 @@ class EngineClient(EngineFrontend):
         self._link.send([ipc.VOICE, ipc.pack(payload)])
         return future.result(timeout=300)
 
-    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        import asyncio
-
-        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
-
-    save_voice = staticmethod(save_voice)
-    load_voice = staticmethod(load_voice)
 
     def warmup(self, progress: bool = True) -> None:
         """Nothing to do: an engine-core process warms up before it serves."""

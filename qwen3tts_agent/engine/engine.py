@@ -36,7 +36,7 @@ from .messages import CoreRequest
 from .sampling import DEFAULT_TOP_K_CAP
 from .text import TextTokenizer
 from .types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, Voice, VoicePrompt
-from .voices import AudioInput, VoiceEncoder, load_voice, save_voice
+from .voices import AudioInput, VoiceEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -177,13 +177,6 @@ class Engine(EngineFrontend):
             raise UnsupportedFeatureError(f"voice cloning needs a Base model; this one is {self.model_type}")
         return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only)
 
-    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        import asyncio
-
-        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
-
-    save_voice = staticmethod(save_voice)
-    load_voice = staticmethod(load_voice)
 
     # ----------------------------------------------------------------- the core
     def _send(self, message: CoreRequest) -> None:

@@ -9,6 +9,7 @@ front ends is only how messages reach the core and how outputs come back (`_send
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -42,7 +43,8 @@ from .messages import (
 from .prompt import PromptSpec
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer, validate_text
-from .types import AudioChunk, FinishReason, SamplingParams, StreamResult, TextLayout, Voice
+from .types import AudioChunk, FinishReason, SamplingParams, StreamResult, TextLayout, Voice, VoicePrompt
+from .voices import AudioInput, load_voice, save_voice
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +145,31 @@ class EngineFrontend:
     def _check_available(self) -> None:
         """Raise EngineClosedError / EngineNotReadyError / EngineOverloadedError if no stream can start now."""
         raise NotImplementedError
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the core is running and takes new streams."""
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+        """Encode a reference voice once (cached by content). Blocking; thread-safe."""
+        raise NotImplementedError
+
+    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
+
+    def warmup(self, progress: bool = True) -> None:
+        """Make the first request as fast as the rest (capture graphs, run one utterance)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    save_voice = staticmethod(save_voice)
+    load_voice = staticmethod(load_voice)
 
     # ----------------------------------------------------------------- validation
     @property

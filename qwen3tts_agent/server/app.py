@@ -36,7 +36,7 @@ from .session import StreamSession
 from .state import ServerState
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,8 @@ async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) 
 def create_app(
     config: ServerConfig,
     *,
-    engine: Engine | None = None,
-    engine_factory: Callable[[], Engine] | None = None,
+    engine: EngineFrontend | None = None,
+    engine_factory: Callable[[], EngineFrontend] | None = None,
 ) -> FastAPI:
     """Build the app around one engine: an instance the caller owns, or a factory run (and closed) by the app.
 
@@ -224,9 +224,9 @@ def create_app(
 
     @app.get("/ready")
     async def readiness() -> JSONResponse:
-        if state.ready:
+        if state.serving:
             return JSONResponse({"status": "ready", "model": config.model_name})
-        status = "failed" if state.failure else "starting"
+        status = "failed" if state.failure else "restarting" if state.ready else "starting"
         return JSONResponse({"status": status, "error": state.failure}, status_code=503)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])

@@ -12,6 +12,7 @@ from ..engine.text import validate_text
 from ..engine.types import SamplingParams
 from ..errors import (
     EngineClosedError,
+    EngineNotReadyError,
     EngineOverloadedError,
     InvalidReferenceAudioError,
     InvalidRequestError,
@@ -106,6 +107,7 @@ _ENGINE_ERRORS: tuple[tuple[type[Exception], str], ...] = (
     (InvalidRequestError, "invalid_request"),
     (EngineOverloadedError, "busy"),
     (EngineClosedError, "not_ready"),
+    (EngineNotReadyError, "not_ready"),
 )
 
 

@@ -25,7 +25,7 @@ from .protocol import (
 from .voices import VoiceRegistry
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class ServerState:
         self,
         config: ServerConfig,
         *,
-        engine: Engine | None = None,
-        engine_factory: Callable[[], Engine] | None = None,
+        engine: EngineFrontend | None = None,
+        engine_factory: Callable[[], EngineFrontend] | None = None,
     ) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine or engine_factory")
@@ -69,7 +69,7 @@ class ServerState:
         self._builtin_voice: Voice | None = None  # Base models only, when no default is configured
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineFrontend:
         assert self._engine is not None, "engine used before startup finished"
         return self._engine
 
@@ -152,7 +152,14 @@ class ServerState:
             raise ApiError("not_ready", f"the server failed to start: {self.failure}")
         if not self.ready or self.admission is None:
             raise ApiError("not_ready", "the model is still loading or warming up; retry shortly")
+        if not self.engine.healthy:
+            raise ApiError("not_ready", "the engine is restarting after a failure; retry shortly")
         return self.admission
+
+    @property
+    def serving(self) -> bool:
+        """Started, and the engine takes streams (its core is up): what /ready reports."""
+        return self.ready and self._engine is not None and self._engine.healthy
 
     # ------------------------------------------------------------------ voices
     def _lookup(self, key: str) -> tuple[Voice, str] | None:
