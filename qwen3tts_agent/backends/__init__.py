@@ -17,11 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..engine.codec import StreamingCodecDecoder
 from ..engine.runner import ModelRunner
 from ..kernels import common as kernel_common
+from ..models.compat import OfficialModule
 
 BACKENDS = ("auto", "torch", "int8", "fp32")
 CPU_BACKENDS = ("int8", "fp32")
@@ -44,7 +44,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def create_runner(
-    model: nn.Module, backend: str = "auto", *, cache_root: Path | None = None, progress: bool = True, **runner_kwargs: object
+    model: OfficialModule, backend: str = "auto", *, cache_root: Path | None = None, progress: bool = True, **runner_kwargs: object
 ) -> ModelRunner:
     """The runner of `model` (an official `Qwen3TTSForConditionalGeneration`) for `backend`.
 
@@ -63,7 +63,7 @@ def create_runner(
     return CpuRunner(model, folder, backend, **runner_kwargs)  # type: ignore[arg-type]
 
 
-def create_codec(decoder: nn.Module, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:
+def create_codec(decoder: OfficialModule, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:
     """The streaming codec decoder of the official `decoder` for `backend` (`max_streams=` as the engine's).
 
     "int8" decodes in bfloat16 where the CPU has it natively (`cpu.codec.native_bfloat16`), else in float32;

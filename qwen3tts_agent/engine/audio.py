@@ -70,7 +70,7 @@ class AudioPipeline:
         if device.type == "cuda" and overlap:
             self._codec_stream = torch.cuda.Stream(device)
             if graphed:
-                _, highest = torch.cuda.Stream.priority_range()
+                _, highest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a staticmethod, typed as a method
                 self._first_stream = torch.cuda.Stream(device, priority=highest)
         first_rows = min(FIRST_CHUNK_ROWS, max_streams) if self._first_stream is not None else 0
         # live codec slots [0, 2M); with graphs, scratch rows above them pad a call up to its graph's batch

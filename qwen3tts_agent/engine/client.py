@@ -46,7 +46,7 @@ class _Link:
         self.identity = uuid.uuid4().bytes[:8]
         self._on_message = on_message
         self._dead_after_s = dead_after_s
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._in_address = f"inproc://qwen3tts-client-{self.identity.hex()}"
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import snake as snake_kernel
+from ..models.compat import OfficialModule
 from .host import upload
 
 
@@ -90,7 +91,7 @@ class StreamingCodecDecoder:
     (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
-    def __init__(self, decoder: nn.Module, max_streams: int) -> None:
+    def __init__(self, decoder: OfficialModule, max_streams: int) -> None:
         """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
@@ -264,7 +265,7 @@ class StreamingCodecDecoder:
                 hidden = hidden + self._conv(unit.conv2, act[unit.act2](inner), slots)
         return self._conv(last, act[snake](hidden), slots).clamp(min=-1, max=1)
 
-    def _conv(self, module: nn.Module, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _conv(self, module: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""
         history = self._convs[module]
         conv = module.conv
@@ -276,7 +277,7 @@ class StreamingCodecDecoder:
             return y[..., history.size * stride : (history.size + x.shape[-1]) * stride]
         return y
 
-    def _convnext(self, block: nn.Module, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _convnext(self, block: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         hidden = self._conv(block.dwconv, x, slots).transpose(1, 2)
         hidden = block.pwconv2(block.act(block.pwconv1(block.norm(hidden))))
         return x + (block.gamma * hidden).transpose(1, 2)
@@ -308,7 +309,7 @@ class StreamingCodecDecoder:
 
     @staticmethod
     def _attend(
-        attn: nn.Module,
+        attn: OfficialModule,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,

@@ -37,6 +37,7 @@ from ..errors import (
     InvalidTextError,
     Qwen3TTSAgentError,
 )
+from ..models.compat import OfficialModule
 from .audio import AudioPipeline
 from .cuda_graphs import GraphedFrameStep, GraphedPrefill, power_of_two_buckets
 from .messages import (
@@ -113,7 +114,7 @@ class CoreStats:
 class EngineCore:
     """The step loop over a `Scheduler`, a `ModelRunner` and an `AudioPipeline`."""
 
-    def __init__(self, model: torch.nn.Module, role_ids: list[int], config: CoreConfig, sink: OutputSink) -> None:
+    def __init__(self, model: OfficialModule, role_ids: list[int], config: CoreConfig, sink: OutputSink) -> None:
         self.config = config
         self._sink = sink
         self.device = next(model.talker.parameters()).device
@@ -140,7 +141,7 @@ class EngineCore:
         self._step_stream: torch.cuda.Stream | None = None
         self._prefill_stream: torch.cuda.Stream | None = None
         if cuda:
-            _, highest = torch.cuda.Stream.priority_range()
+            _, highest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a staticmethod, typed as a method
             self._step_stream = torch.cuda.Stream(self.device, priority=highest)
             self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
         self._specs: dict[str, PromptSpec] = {}
@@ -295,7 +296,7 @@ class EngineCore:
         icl = spec.clone.ref_codes if spec.icl and spec.clone is not None else None
         shape = PromptShape(
             layout=spec.layout,
-            icl_codec_len=None if icl is None else 1 + int(icl.shape[0]),  # type: ignore[attr-defined]
+            icl_codec_len=None if icl is None else 1 + int(icl.shape[0]),
             ref_text_len=len(spec.ref_text_ids),
         )
         request = RequestState(
@@ -405,9 +406,9 @@ class EngineCore:
             self.stats.steps_deferred += 1
             return False
         runner = self.runner
-        b = max(r.slot for r in rows) + 1  # type: ignore[type-var]
+        slots = sorted(r.slot for r in rows if r.slot is not None)  # runnable rows always hold a slot
+        b = slots[-1] + 1
         kv_len = max(r.position for r in rows) + 1
-        slots = sorted(r.slot for r in rows)  # type: ignore[type-var]
         # three host buffers (for the active flags and the results): one being read, up to two steps in flight
         index = self._out_index
         self._out_index = (index + 1) % len(self._host_out)

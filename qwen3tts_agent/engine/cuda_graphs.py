@@ -15,6 +15,7 @@ import bisect
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ class GraphedFrameStep:
         if self.batch_buckets[-1] > runner.max_slots or self.kv_buckets[-1] > runner.max_seq_len:
             raise ValueError("buckets exceed the runner's slots or sequence length")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
         self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     def bucket(self, b: int, kv_len: int) -> tuple[int, int]:
@@ -137,7 +138,7 @@ class GraphedPrefill:
         self._slots = torch.zeros(largest_b, device=dev, dtype=torch.int64)
         self._last = torch.zeros(largest_b, device=dev, dtype=torch.int64)
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
         self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     def _inputs(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,7 +219,7 @@ class GraphedCodecDecode:
         self._scratch = self._slots.clone()
         self._codes = torch.zeros(largest, self.frame_sizes[-1], codec.num_quantizers, dtype=torch.long, device=codec.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
         self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
 
     @torch.inference_mode()

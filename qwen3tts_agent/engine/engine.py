@@ -30,6 +30,7 @@ from ..errors import (
     EngineOverloadedError,
     UnsupportedFeatureError,
 )
+from ..models.compat import OfficialModule
 from .core import CoreConfig, CoreStats, EngineCore
 from .frontend import EngineFrontend, EngineStats, ModelInfo
 from .messages import CoreRequest
@@ -55,7 +56,7 @@ def resident_bytes() -> int:
         return 0
 
 
-def auto_max_streams(model: torch.nn.Module, max_seq_len: int) -> int:
+def auto_max_streams(model: OfficialModule, max_seq_len: int) -> int:
     """Stream slots for this device: 16 on the CPU; on a GPU as many as fit in the free memory (talker and
     predictor KV caches, the projected text track, the codec's state and its graph scratch rows per slot), in
     multiples of 16, at most 256. Slots are allocated up front, so this is checked once at start-up."""
@@ -167,6 +168,7 @@ class Engine(EngineFrontend):
             dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         elif isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        assert isinstance(dtype, torch.dtype)
         official = load_official_model(model, device=device, dtype=dtype, cache_dir=cache_dir, progress=progress)
         return cls(official, **engine_kwargs)  # type: ignore[arg-type]
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..errors import EngineDeadError
 from . import ipc
 from .engine import Engine
 from .messages import AbortRequest, AddRequest, ChunkOutput, FinishOutput
@@ -77,16 +78,14 @@ class HostedEngine(Engine):
 
     def _on_core_death(self, core: Any, exc: BaseException, lived_s: float) -> None:
         """In its own process a dead core means a dead process: the supervisor starts a fresh one."""
-        super()._fail_open_streams(_dead(exc))
+        self._fail_open_streams(_dead(exc))
         logger.error("engine core died (%s: %s); exiting for a restart", type(exc).__name__, exc)
         if self.server is not None:
             self.server.flush(timeout=1.0)
         os._exit(EXIT_CORE_DIED)
 
 
-def _dead(exc: BaseException) -> Exception:
-    from ..errors import EngineDeadError
-
+def _dead(exc: BaseException) -> EngineDeadError:
     return EngineDeadError(f"the engine core stopped: {type(exc).__name__}: {exc}")
 
 
@@ -97,7 +96,7 @@ class CoreServer:
         self.engine = engine
         self.address = address
         self.instance = uuid.uuid4().hex
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._out_address = f"inproc://qwen3tts-core-out-{self.instance}"
         self._local = threading.local()
         self._owners: dict[str, bytes] = {}  # core request id -> client identity
@@ -243,6 +242,7 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
         engine = HostedEngine.load(
             launch.model, device=launch.device, dtype=launch.dtype, progress=False, **launch.engine_kwargs
         )
+        assert isinstance(engine, HostedEngine)
         if launch.warmup:
             engine.warmup(progress=False)
         server = CoreServer(engine, launch.address)

@@ -104,7 +104,7 @@ class SpeechStream:
         dropped = loop.create_future()
 
         def ack() -> None:
-            loop.call_soon_threadsafe(lambda: dropped.done() or dropped.set_result(None))
+            loop.call_soon_threadsafe(_settle, dropped)
 
         with self._lock:
             self._ack_callbacks.append(ack)
@@ -202,13 +202,20 @@ class SpeechStream:
                     try:
                         chunk = self._pop()
                     except BlockingIOError:
-                        chunk = ...
-                if chunk is None:
-                    return
-                if chunk is ...:
+                        waiting = True
+                    else:
+                        waiting = False
+                if waiting:
                     await ready.wait()
                     continue
+                if chunk is None:
+                    return
                 yield chunk
         finally:
             with self._lock:
                 self._wakers.remove(wake)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

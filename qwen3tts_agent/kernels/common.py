@@ -14,6 +14,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ TESTED_DTYPES = (torch.float32, torch.bfloat16)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def jit(fn: Callable) -> Callable:
+def jit(fn: Callable) -> Any:
     """`triton.jit`, or the plain function where triton is missing (the module stays importable)."""
     return triton.jit(fn) if triton is not None else fn
 

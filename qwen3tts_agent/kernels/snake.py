@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.compat import OfficialModule
 from . import common
 from .common import jit, round_to
 
@@ -72,7 +73,7 @@ class FusedSnakeBeta:
     """A one-kernel stand-in for one official `SnakeBeta` module `supports` takes (its parameters read once,
     at construction)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: OfficialModule) -> None:
         self.module = module
         with torch.no_grad():
             # the module's own per-channel factors, computed by the same ops: exp(α) and 1 / (exp(β) + ε)

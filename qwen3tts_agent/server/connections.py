@@ -66,7 +66,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._expect_head()
 
     def on_headers_complete(self) -> None:
-        self._head_deadline = _cancel(self._head_deadline)
+        _cancel(self._head_deadline)
+        self._head_deadline = None
         super().on_headers_complete()
 
     def handle_websocket_upgrade(self) -> None:
@@ -80,7 +81,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._unread_deadline = _cancel(self._unread_deadline)
+        _cancel(self._unread_deadline)
+        self._unread_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timers()
@@ -111,8 +113,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def _stop_timers(self) -> None:
-        self._head_deadline = _cancel(self._head_deadline)
-        self._unread_deadline = _cancel(self._unread_deadline)
+        _cancel(self._head_deadline)
+        self._head_deadline = None
+        _cancel(self._unread_deadline)
+        self._unread_deadline = None
 
 
 class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):

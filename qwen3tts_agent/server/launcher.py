@@ -37,7 +37,8 @@ def _config_to_json(config: ServerConfig) -> dict[str, Any]:
 
 def _config_from_json(data: dict[str, Any]) -> ServerConfig:
     paths = {f.name for f in fields(ServerConfig) if "Path" in str(f.type)}
-    return ServerConfig(**{k: Path(v) if k in paths and v is not None else v for k, v in data.items()})
+    values: dict[str, Any] = {k: Path(v) if k in paths and v is not None else v for k, v in data.items()}
+    return ServerConfig(**values)
 
 
 def worker_app() -> Any:
@@ -72,7 +73,7 @@ def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_opt
     server = uvicorn.Server(server_config)
     try:
         if workers > 1:
-            Multiprocess(server_config, target=server.run, sockets=[server_config.bind_socket()]).run()
+            Multiprocess(server_config, sockets=[server_config.bind_socket()]).run()  # restarts dead workers
         else:
             server.run()
     finally:

@@ -235,6 +235,8 @@ def json_depth_exceeds(raw: str | bytes, limit: int) -> bool:
     Counting brackets is enough for almost every message (fewer brackets than the limit cannot nest
     deeper); only then are strings skipped by one regex scan, so the cost stays linear and in C.
     """
+    scan: re.Pattern[Any]
+    bracket: tuple[Any, Any]
     if isinstance(raw, str):
         opening, scan, bracket = raw.count("[") + raw.count("{"), _STR_OR_BRACKET, ("[", "{")
     else:

@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +133,7 @@ class StreamSession:
             await self._teardown()
 
     # ------------------------------------------------------------------ incoming
-    async def _on_message(self, message: dict[str, Any]) -> None:
+    async def _on_message(self, message: Mapping[str, Any]) -> None:
         raw = message.get("text")
         if raw is None:
             await self._send_error(ApiError("invalid_message", "binary messages are not accepted: send JSON text"))

@@ -58,7 +58,7 @@ class ServerState:
         self.config = config
         self._engine = engine
         self._engine_factory = engine_factory
-        self.metrics = ServerMetrics(lambda: self._engine.stats() if self.ready else None)
+        self.metrics = ServerMetrics(lambda: self._engine.stats() if self.ready and self._engine is not None else None)
         self.voices = VoiceRegistry(config.voices_dir, max_voices=config.max_voices)
         self.admission: Admission | None = None
         self.ready = False

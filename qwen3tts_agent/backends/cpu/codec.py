@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine.codec import StreamingCodecDecoder
+from ...models.compat import OfficialModule
 
 # Output steps up to which a convolution runs as a GEMM (benchmarks/bench_cpu.py --codec-convs measured where
 # the GEMM stops winning).
@@ -33,7 +34,7 @@ class CpuCodecDecoder(StreamingCodecDecoder):
     """`StreamingCodecDecoder` for the CPU backends (same interface, same results)."""
 
     def __init__(
-        self, decoder: nn.Module, max_streams: int, gemm_max_steps: int = GEMM_MAX_STEPS,
+        self, decoder: OfficialModule, max_streams: int, gemm_max_steps: int = GEMM_MAX_STEPS,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         """`compute_dtype`: run a copy of the decoder in this dtype (None: the decoder's own). Audio comes
@@ -45,7 +46,7 @@ class CpuCodecDecoder(StreamingCodecDecoder):
         self._gemm_weights: dict[nn.Module, torch.Tensor] = {}
         with torch.no_grad():
             for module in self._convs:
-                conv = module.conv
+                conv: OfficialModule = module.conv
                 if conv.groups != 1:
                     continue  # the ConvNeXt depthwise convs: cheap as they are
                 weight = conv.weight.detach()
@@ -57,7 +58,7 @@ class CpuCodecDecoder(StreamingCodecDecoder):
                 else:
                     self._gemm_weights[module] = weight.reshape(weight.shape[0], -1).contiguous()  # [out, in*kernel]
 
-    def _conv(self, module: nn.Module, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _conv(self, module: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         weight = self._gemm_weights.get(module)
         if weight is None or x.shape[-1] > self.gemm_max_steps:
             return super()._conv(module, x, slots)

@@ -15,10 +15,13 @@ by the runner (`session.BoundSession`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from ...models.compat import OfficialModule
 
 WEIGHT_FORMATS = ("int8", "fp32")
 MS_DOMAIN = "com.microsoft"
@@ -82,7 +85,7 @@ class _GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs: object) -> list[str]:
+    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs: Any) -> list[str]:
         from onnx import helper
 
         names = [self.name(op.lower()) for _ in range(outputs)] if isinstance(outputs, int) else outputs
@@ -117,19 +120,19 @@ class _GraphBuilder:
         return self.const("shape", np.asarray(dims, dtype=np.int64))
 
 
-def stack_shape(layers: list[nn.Module], config: object) -> StackShape:
+def stack_shape(layers: list[OfficialModule], config: OfficialModule) -> StackShape:
     attn, mlp = layers[0].self_attn, layers[0].mlp
     return StackShape(
-        hidden=config.hidden_size, heads=config.num_attention_heads,  # type: ignore[attr-defined]
-        kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,  # type: ignore[attr-defined]
+        hidden=config.hidden_size, heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
         ffn=mlp.gate_proj.weight.shape[0], eps=layers[0].input_layernorm.variance_epsilon, scaling=attn.scaling,
     )
 
 
 def decoder_stack_graph(
-    layers: list[nn.Module], shape: StackShape, weight_format: str, in_proj: nn.Module | None = None,
+    layers: list[OfficialModule], shape: StackShape, weight_format: str, in_proj: OfficialModule | None = None,
     progress: object | None = None,
-) -> object:
+) -> Any:
     """The ONNX model of a stack of official Qwen3 decoder layers (`Qwen3TTS*DecoderLayer`).
 
     Inputs: x [B, S, hidden_in], seqlens_k int32 [B] (each row's last position after this call),
@@ -188,7 +191,7 @@ def decoder_stack_graph(
     return _model(graph)
 
 
-def linear_graph(weight: torch.Tensor, weight_format: str) -> object:
+def linear_graph(weight: torch.Tensor, weight_format: str) -> Any:
     """One Linear (no bias) as an ONNX model: x [rows, K] -> y [rows, N] (the output heads)."""
     from onnx import TensorProto, helper
 
@@ -202,7 +205,7 @@ def linear_graph(weight: torch.Tensor, weight_format: str) -> object:
     return _model(graph)
 
 
-def _model(graph: object) -> object:
+def _model(graph: Any) -> Any:
     from onnx import helper
 
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)]

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...engine.runner import ModelRunner, PrefillRow
 from ...engine.sampling import DEFAULT_TOP_K_CAP
+from ...models.compat import OfficialModule
 from .session import BoundSession
 
 # Prompt tokens per talker-graph call: a longer prompt goes in pieces (each continuing the slot's cache), which
@@ -36,7 +37,7 @@ class CpuRunner(ModelRunner):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: OfficialModule,
         folder: Path,
         weight_format: str,
         *,
@@ -73,11 +74,11 @@ class CpuRunner(ModelRunner):
         half = self.cos.shape[-1] // 2
         self._t_rope = (self.cos[:, :half].contiguous(), self.sin[:, half:].contiguous())
         self._p_rope = (self.p_cos[:, :half].contiguous(), self.p_sin[:, half:].contiguous())
-        int32 = dict(dtype=torch.int32)
-        self._t_seqlens = torch.zeros(max_slots, **int32)
-        self._t_total = torch.full((1,), max_seq_len + 1, **int32)  # > 1: every one-token call is a decode step
-        self._p_seqlens = torch.zeros(max_slots, **int32)
-        self._p_total = torch.zeros(1, **int32)
+        int32 = torch.int32
+        self._t_seqlens = torch.zeros(max_slots, dtype=int32)
+        self._t_total = torch.full((1,), max_seq_len + 1, dtype=int32)  # > 1: every one-token call is a decode step
+        self._p_seqlens = torch.zeros(max_slots, dtype=int32)
+        self._p_total = torch.zeros(1, dtype=int32)
         self._t_out = torch.zeros(max_slots, 1, self.hidden_size)
         p_hidden = self.p_layers[0].w_o.shape[0]
         self._p_out = {t: torch.zeros(max_slots, t, p_hidden) for t in (1, 2)}
@@ -158,7 +159,7 @@ class CpuRunner(ModelRunner):
         logits = self._logits(hidden, self.norm, self.codec_head, False)
         self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
 
-    def _logits(self, x: torch.Tensor, norm: nn.Module, head: nn.Linear, fused: bool = False) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, norm: OfficialModule, head: nn.Linear, fused: bool = False) -> torch.Tensor:
         """head(norm(x)); a predictor head is an 8-bit GEMV in the int8 format (`fused`: unused, no Triton here)."""
         session = self._heads.get(id(head))
         h = norm(x)

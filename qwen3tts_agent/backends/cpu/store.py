@@ -19,8 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch import nn
-
+from ...models.compat import OfficialModule
 from ...progress import Progress
 from .graphs import WEIGHT_FORMATS, decoder_stack_graph, linear_graph, stack_shape
 
@@ -31,7 +30,7 @@ CACHE_DIR_NAME = ".qwen3tts-cpu"
 _COMPLETE = "complete"
 
 
-def conversion_folder(model: nn.Module, weight_format: str, cache_root: Path | None = None) -> Path | None:
+def conversion_folder(model: OfficialModule, weight_format: str, cache_root: Path | None = None) -> Path | None:
     """Where the conversion of `model`'s checkpoint in `weight_format` lives (None: no checkpoint folder)."""
     checkpoint = _checkpoint_folder(model)
     if checkpoint is None:
@@ -49,7 +48,7 @@ def conversion_folder(model: nn.Module, weight_format: str, cache_root: Path | N
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "qwen3tts-agent") / "cpu" / name
 
 
-def prepare(model: nn.Module, weight_format: str, *, cache_root: Path | None = None, progress: bool = True) -> Path:
+def prepare(model: OfficialModule, weight_format: str, *, cache_root: Path | None = None, progress: bool = True) -> Path:
     """Return a folder holding `model`'s converted graphs, converting them first if they are not cached.
 
     `model` is the official `Qwen3TTSForConditionalGeneration`. The conversion is written to a temporary
@@ -82,7 +81,7 @@ def prepare(model: nn.Module, weight_format: str, *, cache_root: Path | None = N
     return target
 
 
-def _convert(model: nn.Module, weight_format: str, folder: Path, progress: bool) -> None:
+def _convert(model: OfficialModule, weight_format: str, folder: Path, progress: bool) -> None:
     import onnx
 
     talker = model.talker
@@ -106,7 +105,7 @@ def _convert(model: nn.Module, weight_format: str, folder: Path, progress: bool)
     (folder / _COMPLETE).write_text(f"{weight_format} v{FORMAT_VERSION}\n")
 
 
-def _checkpoint_folder(model: nn.Module) -> Path | None:
+def _checkpoint_folder(model: OfficialModule) -> Path | None:
     name = getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
     path = Path(name).expanduser() if name else None
     return path if path is not None and (path / "config.json").is_file() else None
