@@ -76,24 +76,42 @@ async def _audio_then(ws: websockets.ClientConnection) -> list[dict[str, object]
             return messages
 
 
-@pytest.fixture()
-def server() -> subprocess.Popen[bytes]:
+def _serve(*extra: str) -> subprocess.Popen[bytes]:
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", "synthetic:tiny", "--backend", "torch",
-         "--port", str(port), "--max-streams", "4", "--log-level", "warning"],
+         "--port", str(port), "--max-streams", "4", "--log-level", "warning", *extra],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     process.port = port  # type: ignore[attr-defined]
+    return process
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
     try:
-        _wait_for(port, 200, STARTUP_S)
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture()
+def server() -> subprocess.Popen[bytes]:
+    process = _serve()
+    try:
+        _wait_for(process.port, 200, STARTUP_S)  # type: ignore[attr-defined]
         yield process
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        _stop(process)
+
+
+def _worker_of(server: subprocess.Popen[bytes], client_port: int) -> psutil.Process:
+    """The API worker holding the server side of the client's connection from `client_port`."""
+    for child in psutil.Process(server.pid).children(recursive=True):
+        for conn in child.net_connections(kind="tcp"):
+            if conn.raddr and conn.raddr.port == client_port:
+                return child
+    raise AssertionError(f"no worker holds the connection from port {client_port}")
 
 
 async def test_a_killed_core_fails_its_streams_at_once_and_serve_comes_back(server: subprocess.Popen[bytes]) -> None:
@@ -125,3 +143,37 @@ async def test_a_killed_core_fails_its_streams_at_once_and_serve_comes_back(serv
     done = (await _audio_then(again))[-1]
     assert done["finish_reason"] == "max_frames" and done["metrics"]["frames"] == 3
     await again.close()
+
+
+async def test_a_killed_api_worker_loses_no_other_workers_streams() -> None:
+    process = _serve("--workers", "2")
+    port = process.port  # type: ignore[attr-defined]
+    try:
+        _wait_for(port, 200, STARTUP_S)
+        sessions = []
+        workers: dict[int, list[websockets.ClientConnection]] = {}
+        for _ in range(16):  # until the two workers each hold one of our sessions
+            ws = await _utterance(port, frames=60)
+            sessions.append(ws)
+            worker = _worker_of(process, ws.local_address[1])
+            workers.setdefault(worker.pid, []).append(ws)
+            if len(workers) == 2:
+                break
+        assert len(workers) == 2, "the kernel gave every connection to one worker"
+        (doomed_pid, doomed), (_, survivors) = workers.items()
+        for ws in sessions:
+            first = await asyncio.wait_for(ws.recv(), 60)
+            assert isinstance(first, str) and json.loads(first)["type"] == "audio"
+        psutil.Process(doomed_pid).send_signal(signal.SIGKILL)
+        for ws in survivors:  # the other worker's streams play to their end
+            done = (await _audio_then(ws))[-1]
+            assert done["finish_reason"] == "max_frames" and done["metrics"]["frames"] == 60
+        for ws in doomed:
+            with pytest.raises(websockets.ConnectionClosed):
+                await _audio_then(ws)
+        _wait_for(port, 200, 60)  # uvicorn replaced the worker; the port still serves
+        again = await _utterance(port, frames=3)
+        assert (await _audio_then(again))[-1]["finish_reason"] == "max_frames"
+        await again.close()
+    finally:
+        _stop(process)
