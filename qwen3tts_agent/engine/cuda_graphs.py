@@ -192,6 +192,67 @@ class GraphedPrefill:
         return True
 
 
+class GraphedStagedPrefill:
+    """CUDA graphs of `ModelRunner.staged_prefill_forward`, one per (rows, KV length) bucket.
+
+    A prompt whose voice prefix came from the prefix store has a one-token text-dependent part (CustomVoice,
+    x-vector clones, VoiceDesign). The batched prompt graphs would pad it to their smallest length bucket and
+    run it on the PyTorch layers; here it runs as the talker's Triton decode step, in the runner's staging
+    cache, starting at the prefix's length.
+    """
+
+    def __init__(self, runner: ModelRunner, kv_buckets: Iterable[int]) -> None:
+        if not runner.stage_rows:
+            raise ValueError("the runner has no staging cache")
+        self.runner = runner
+        self.row_buckets = power_of_two_buckets(runner.stage_rows)
+        self.kv_buckets = sorted({min(k, runner.stage_len) for k in kv_buckets} | {runner.stage_len})
+        dev = runner.device
+        self._embeds = torch.zeros(runner.stage_rows, 1, runner.hidden_size, device=dev, dtype=runner.dtype)
+        self._write_pos = torch.full((runner.stage_rows, 1), runner.stage_len, device=dev, dtype=torch.int64)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        """Capture every bucket with every row on the staging cache's padding column (no slot changes)."""
+        keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
+            inputs = (self._embeds[:b], self._write_pos[:b])
+            with torch.cuda.stream(side):
+                self.runner.staged_prefill_forward(*inputs, kv_len=k)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+                out = self.runner.staged_prefill_forward(*inputs, kv_len=k)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[(b, k)] = (graph, out)
+        torch.cuda.synchronize()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def __call__(self, rows: list[PrefillRow]) -> bool:
+        """Prefill one-token `rows` by replaying a bucket's graph; False (nothing done) when they do not fit."""
+        runner = self.runner
+        if not runner.can_stage(rows):
+            return False
+        b = self.row_buckets[bisect.bisect_left(self.row_buckets, len(rows))]
+        kv = self.kv_buckets[bisect.bisect_left(self.kv_buckets, max(r.start for r in rows) + 1)]
+        graph, out = self._graphs[(b, kv)]
+        embeds, write_pos = runner.staged_prefill_inputs(rows, b)
+        self._embeds[:b].copy_(embeds)
+        self._write_pos[:b].copy_(write_pos)
+        graph.replay()
+        runner.finish_staged_prefill(rows, out)
+        return True
+
+
 class GraphedCodecDecode:
     """CUDA graphs of the streaming codec decoder, one per (batch bucket, chunk frames).
 

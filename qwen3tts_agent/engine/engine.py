@@ -102,6 +102,7 @@ class Engine(EngineFrontend):
         shed_when_behind: bool | None = None,
         adapt_chunks: bool | None = None,
         backend: str = "auto",
+        prefix_cache: bool = True,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -110,7 +111,10 @@ class Engine(EngineFrontend):
         in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
         where an engine near real time would otherwise cut most chunks short.
         `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
-        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md)."""
+        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
+        `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
+        stream of a voice seen before prefills only its text-dependent part; the audio is the same either
+        way (the "torch" backend; the CPU backends prefill every head)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -126,6 +130,7 @@ class Engine(EngineFrontend):
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
+            prefix_cache=prefix_cache,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(

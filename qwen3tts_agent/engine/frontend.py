@@ -224,7 +224,9 @@ class EngineFrontend:
         ref_ids: tuple[int, ...] = ()
         if clone is not None and clone.ref_codes is not None:
             ref_ids = tuple(self.tokenizer.ref_ids(validate_text(clone.ref_text or "", what="ref_text")))
-        return PromptSpec(language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout))
+        return PromptSpec(
+            language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout), icl_early_start=voice.icl_early_start
+        )
 
     # ----------------------------------------------------------------- streams
     def open_stream(
@@ -268,8 +270,7 @@ class EngineFrontend:
             self._streams[request_id] = stream
         self._send(AddRequest(request_id, spec, sampling, schedule, stream.submitted))
         if text is not None:
-            stream.push_text(text)
-            stream.close_input()
+            stream._push_whole(text)
         return stream
 
     async def synthesize(self, text: str, **kwargs: object) -> AsyncIterator[AudioChunk]:
