@@ -178,11 +178,20 @@ class Engine(EngineFrontend):
         return cls(official, **engine_kwargs)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- voices
-    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        """Encode a reference voice once (cached by content). Blocking; thread-safe."""
+    def create_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
+        """Encode a reference voice once (cached by content). Blocking; thread-safe.
+
+        `max_ref_seconds` (in-context clones): keep only the reference's first whole sentences that fit in
+        this many seconds, audio and transcript alike (`voices.trim_reference`), since the first frame of an
+        in-context clone waits for about one text token per reference frame. The voice is then exactly the
+        one the official package makes of that shorter reference; `VoicePrompt.ref_text` says what was kept.
+        """
         if self._voices is None:
             raise UnsupportedFeatureError(f"voice cloning needs a Base model; this one is {self.model_type}")
-        return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only)
+        return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only, max_ref_seconds=max_ref_seconds)
 
 
     # ----------------------------------------------------------------- the core

@@ -154,12 +154,20 @@ class EngineFrontend:
     def stats(self) -> EngineStats:
         raise NotImplementedError
 
-    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+    def create_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
         """Encode a reference voice once (cached by content). Blocking; thread-safe."""
         raise NotImplementedError
 
-    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
+    async def acreate_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
+        return await asyncio.to_thread(
+            self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only, max_ref_seconds=max_ref_seconds
+        )
 
     def warmup(self, progress: bool = True) -> None:
         """Make the first request as fast as the rest (capture graphs, run one utterance)."""
