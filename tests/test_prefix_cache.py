@@ -10,6 +10,7 @@ import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.engine.prefixes import PrefixCache
+from qwen3tts_agent.kernels import common
 from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio
 
 FRAMES = 12
@@ -93,3 +94,19 @@ def test_prefix_cache_reuses_the_least_recently_used_entry() -> None:
     assert c.index == b.index and cache.get("b") is None and cache.get("c") == c
     assert cache.claim("long", 9) is None and cache.claim("empty", 0) is None
     assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_own_counters_apply_to_this_thread_inside_the_block_only() -> None:
+    """The staged prompt pieces' kernels count arrivals in a set of their own: they run on the prompt lane,
+    beside the frame steps, whose kernels use the device's set."""
+    import threading
+
+    device = torch.device("cpu")
+    shared, own = common.counters(device), common.new_counters(device)
+    seen_elsewhere = []
+    with common.own_counters(own):
+        assert common.counters(device) is own
+        thread = threading.Thread(target=lambda: seen_elsewhere.append(common.counters(device)))
+        thread.start()
+        thread.join()
+    assert seen_elsewhere[0] is shared and common.counters(device) is shared

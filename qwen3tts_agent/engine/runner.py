@@ -136,6 +136,8 @@ class ModelRunner:
         self.stage_rows = STAGE_ROWS if prefix_entries and self.fused_talker else 0
         self.stage_len = self.prefix_len + 1 if self.stage_rows else 0
         self.stage_kv = torch.zeros(2, n_layers, self.stage_rows, kv_heads, self.stage_len + 1, head_dim, device=dev, dtype=dt)
+        # prompts run on a lane of their own beside the frame steps: their kernels count arrivals apart
+        self._stage_counters = kernel_common.new_counters(dev) if self.stage_rows else None
         p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
         self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
         self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
@@ -517,10 +519,12 @@ class ModelRunner:
         """The talker's layers as the Triton decode step over staging rows [0, b), each token attending its
         row's keys up to its own position; returns the last hidden states [b, hidden] after the final norm.
         Fixed shapes for a given (b, kv_len) and no host synchronisation, so it can be captured."""
+        assert self._stage_counters is not None, "no staging cache"
         b = embeds.shape[0]
         x = embeds
-        for layer, ck, cv in zip(self.layers, self.stage_kv[0], self.stage_kv[1], strict=True):
-            x = decode_layer.decode_layer(layer, x, self.cos, self.sin, ck[:b], cv[:b], write_pos, kv_len, masked=True)
+        with kernel_common.own_counters(self._stage_counters):  # not the frame step's: they may run together
+            for layer, ck, cv in zip(self.layers, self.stage_kv[0], self.stage_kv[1], strict=True):
+                x = decode_layer.decode_layer(layer, x, self.cos, self.sin, ck[:b], cv[:b], write_pos, kv_len, masked=True)
         return self.norm(x[:, 0])
 
     def finish_staged_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
