@@ -51,7 +51,7 @@ from qwen3tts_agent import Engine, SamplingParams, Voice, VoicePrompt
 from qwen3tts_agent.engine.voices import trim_reference
 from qwen3tts_agent.reference import demo_reference
 
-# An agent's reply: a short first sentence, then numbers, names and clauses; long enough (~110 tokens) to
+# An agent's reply: a short first sentence, then numbers, names and clauses; long enough (101 tokens) to
 # cover the text an 8 s reference's span needs.
 REPLY = (
     "Sure, I can help you with that. Your booking reference is QX7-4821, and the flight leaves Lisbon at 9:45 "
