@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent import Engine, SamplingParams, Voice
+from qwen3tts_agent import Engine, SamplingParams, TextLayout, Voice
 from qwen3tts_agent.engine.voices import MIN_REFERENCE_SECONDS, TRIM_SEARCH_S, trim_reference
 from qwen3tts_agent.errors import InvalidRequestError
 from tests.engine_helpers import (
@@ -82,6 +82,24 @@ def test_in_context_clone_waits_for_text_covering_the_reference_unless_early_sta
         results[early] = stream.result
     assert results[True].frames == results[False].frames == FRAMES
     assert results[True].text_wait < 0.3 <= results[False].text_wait
+
+
+def test_early_start_lays_the_known_text_over_the_reference_span(engine: Engine) -> None:
+    prompt = engine.create_voice(reference_audio(), REF_TEXT)
+    builder = engine.core.prompts
+    spec = engine.prompt_spec(Voice(prompt=prompt, icl_early_start=True), "english", TextLayout.INTERLEAVED)
+    pad = engine.model.config.tts_pad_token_id
+    span = 1 + prompt.ref_codes.shape[0]
+    ref = list(spec.ref_text_ids)
+    body = builder.body(spec, [11, 12, 13], closed=False)
+    # the known text but its last token, then padding, over the span; the last token opens the text track
+    expected = builder._text(ref + [11, 12] + [pad] * (span - len(ref) - 2)) + builder._reference_track(spec)
+    assert torch.equal(body.embeds, expected) and body.trailing_ids == [13]
+    # enough text to cover the span, or a closed text: the official layout, as without early start
+    official = engine.prompt_spec(Voice(prompt=prompt), "english", TextLayout.INTERLEAVED)
+    for ids, closed in (([7] * (span - len(ref) + 3), False), ([11, 12, 13], True)):
+        ours, theirs = builder.body(spec, ids, closed), builder.body(official, ids, closed)
+        assert torch.equal(ours.embeds, theirs.embeds) and ours.trailing_ids == theirs.trailing_ids
 
 
 def test_early_start_keeps_the_official_prompt_for_a_whole_text(engine: Engine) -> None:
