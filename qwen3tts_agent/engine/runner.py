@@ -528,9 +528,10 @@ class ModelRunner:
         return self.norm(x[:, 0])
 
     def finish_staged_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
-        """Copy each staging row's cache positions [0, start] back to its slot, then `finish_prefill`."""
+        """Copy the position each staging row wrote back to its slot (the slot holds the ones before), then
+        `finish_prefill`."""
         for i, r in enumerate(rows):
-            self.kv_cache[:, :, r.slot, :, : r.start + 1].copy_(self.stage_kv[:, :, i, :, : r.start + 1])
+            self.kv_cache[:, :, r.slot, :, r.start].copy_(self.stage_kv[:, :, i, :, r.start])
         self.finish_prefill(rows, last_hidden)
 
     @torch.inference_mode()
