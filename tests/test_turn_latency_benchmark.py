@@ -15,7 +15,7 @@ RATE = 100.0
 def test_turn_latency_benchmark_runs_every_path(tmp_path: Path) -> None:
     out = tmp_path / "turn.json"
     report = turn_latency.main([
-        "--models", "synthetic:tiny-customvoice,synthetic:tiny", "--device", "cpu", "--quick",
+        "--models", "synthetic:tiny-customvoice,synthetic:tiny", "--device", "cpu", "--backend", "torch", "--quick",
         "--voices", "customvoice,xvector,icl-2s", "--out", str(out),
     ])
     assert json.loads(out.read_text()) == report
