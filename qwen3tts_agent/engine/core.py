@@ -203,10 +203,17 @@ class EngineCore:
         self._messages.put(_Control(None, None))
 
     def capture_graphs(self, progress: bool) -> None:
-        """Capture every CUDA graph (frame, prefill, both codec lanes); on the core's thread."""
-        for graphs in (self._frame_graphs, self._prefill_graphs, self._staged_graphs):
+        """Capture every CUDA graph (frame, prefill, staged prefill, both codec lanes); on the core's thread."""
+        for graphs in (self._frame_graphs, self._prefill_graphs):
             if graphs is not None:
                 graphs.capture(progress=progress)
+        if self._staged_graphs is not None:
+            try:
+                self._staged_graphs.capture(progress=progress)
+            except Exception:  # noqa: BLE001 - an optimisation: without it the prompt graphs do the same work
+                logger.exception("staged prefill graphs failed to capture; one-token prompt pieces use the prompt graphs")
+                self._staged_graphs = None
+                self.runner.stage_rows = 0
         self.audio.capture(progress)
 
     @property
