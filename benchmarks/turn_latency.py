@@ -400,7 +400,7 @@ async def run_model(spec: str, args: argparse.Namespace, report: dict[str, Any])
 
     log(f"loading {spec} on {args.device}")
     official = load_official_model(spec, device=args.device, dtype=getattr(torch, args.dtype), progress=False)
-    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, prefix_cache=args.prefix_cache,
+    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, prefix_cache=args.prefix_cache, staged_prefill=args.staged_prefill,
                     backend=args.backend)
     server: InProcessServer | None = None
     cells: list[Cell] = []
@@ -531,7 +531,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "frames_per_utterance": args.frames,
-        "prefix_cache": args.prefix_cache, "backend": args.backend, "reply": REPLY, "reference_texts": {str(k): v for k, v in REFERENCE_TEXTS.items()},
+        "prefix_cache": args.prefix_cache, "staged_prefill": args.staged_prefill, "backend": args.backend, "reply": REPLY, "reference_texts": {str(k): v for k, v in REFERENCE_TEXTS.items()},
     }
     rows = []
     for spec in args.models:
@@ -560,6 +560,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-streams", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
+    parser.add_argument("--staged-prefill", action="store_true", help="Engine(staged_prefill=True), GPU only")
     parser.add_argument("--backend", default="auto", help="the engine's backend (auto: int8 on a CPU, torch on a GPU)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke settings: one rate, one run per cell")
     parser.add_argument("--out", type=Path, default=Path("turn_latency.json"))

@@ -69,13 +69,12 @@ def test_in_context_clone_waits_for_text_covering_the_reference_unless_early_sta
             voice=Voice(prompt=prompt, icl_early_start=early), sampling=SamplingParams(seed=3, max_frames=FRAMES)
         )
         _push_words(stream, [w + " " for w in words[:3]])  # a few tokens: far fewer than the reference's frames
-        chunks = stream.chunks(timeout=1.5)
         if early:
-            first = next(chunks)  # speaks before the rest of the text exists
+            first = next(stream.chunks(timeout=60))  # speaks before the rest of the text exists
             assert first.frame_start == 0
         else:
             with pytest.raises(TimeoutError):
-                next(chunks)  # the official prompt needs the text to cover the reference span
+                next(stream.chunks(timeout=1.5))  # the official prompt needs the text to cover the reference span
         _push_words(stream, [w + " " for w in words[3:]])
         stream.close_input()
         list(stream.chunks(timeout=60))

@@ -96,6 +96,7 @@ class CoreConfig:
     poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
     prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
+    staged_prefill: bool = False  # one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
 
 
 @dataclass
@@ -126,8 +127,8 @@ class EngineCore:
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
         # the PyTorch runner keeps voice prefixes (`copy_prefix`); other runners simply prefill every prompt's head
-        prefix_store = (
-            dict(prefix_entries=PREFIX_ENTRIES, prefix_len=PREFIX_MAX_POSITIONS)
+        prefix_store: dict[str, Any] = (
+            dict(prefix_entries=PREFIX_ENTRIES, prefix_len=PREFIX_MAX_POSITIONS, staged_prefill=config.staged_prefill)
             if config.prefix_cache and config.backend == "torch" else {}
         )
         # one text-track token per frame at most, so a track never outgrows the cache

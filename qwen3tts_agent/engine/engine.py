@@ -103,6 +103,7 @@ class Engine(EngineFrontend):
         adapt_chunks: bool | None = None,
         backend: str = "auto",
         prefix_cache: bool = True,
+        staged_prefill: bool = False,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -114,7 +115,9 @@ class Engine(EngineFrontend):
         kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
         `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
-        way (the "torch" backend; the CPU backends prefill every head)."""
+        way (the "torch" backend; the CPU backends prefill every head). `staged_prefill` (opt-in): with
+        the prefix cache on a GPU, a one-token text part runs as the talker's Triton decode step in a staging
+        cache instead of a prompt graph (docs/engine.md says what has been verified of it)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -130,7 +133,7 @@ class Engine(EngineFrontend):
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
-            prefix_cache=prefix_cache,
+            prefix_cache=prefix_cache, staged_prefill=staged_prefill,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(

@@ -71,14 +71,15 @@ class ModelRunner:
         fused_kernels: bool = True,
         prefix_entries: int = 0,
         prefix_len: int = 64,
+        staged_prefill: bool = False,
     ) -> None:
         """`fused_kernels`: where Triton can run (a GPU), the talker's single-token steps and every predictor
         step run as the Triton kernels (`qwen3tts_agent.kernels`), for each stack whose shapes they take;
         elsewhere, for other stacks, and for prompts, PyTorch. `kernel_paths` says which.
 
         `prefix_entries`: how many voice prefixes (a prompt's voice-only head, up to `prefix_len` positions)
-        the prefix store holds (`store_prefix`, `copy_prefix`); 0 for none. With a store and a Triton
-        talker, one-token prompt pieces run as the decode step in a staging cache (`staged_prefill`)."""
+        the prefix store holds (`store_prefix`, `copy_prefix`); 0 for none. `staged_prefill`: with a store
+        and a Triton talker, one-token prompt pieces run as the decode step in a staging cache."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -133,7 +134,7 @@ class ModelRunner:
         self.prefix_len = min(prefix_len, max_seq_len - 1) if prefix_entries else 0
         self.prefix_kv = torch.zeros(2, n_layers, prefix_entries, kv_heads, self.prefix_len, head_dim, device=dev, dtype=dt)
         # its last column is where padding rows write
-        self.stage_rows = STAGE_ROWS if prefix_entries and self.fused_talker else 0
+        self.stage_rows = STAGE_ROWS if staged_prefill and prefix_entries and self.fused_talker else 0
         self.stage_len = self.prefix_len + 1 if self.stage_rows else 0
         self.stage_kv = torch.zeros(2, n_layers, self.stage_rows, kv_heads, self.stage_len + 1, head_dim, device=dev, dtype=dt)
         # prompts run on a lane of their own beside the frame steps: their kernels count arrivals apart

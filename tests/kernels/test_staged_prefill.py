@@ -33,7 +33,7 @@ def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.
     runs: dict[bool, list[list[list[int]]]] = {}
     staged_rows: list[int] = []
     for cached in (True, False):
-        engine = Engine(official, keep_codes=True, prefix_cache=cached, backend="torch", **SMALL)  # type: ignore[arg-type]
+        engine = Engine(official, keep_codes=True, prefix_cache=cached, staged_prefill=cached, backend="torch", **SMALL)  # type: ignore[arg-type]
         runner = engine.core.runner
         finish = runner.finish_staged_prefill  # the eager path and the graphs both end here
         monkeypatch.setattr(
