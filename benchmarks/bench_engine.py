@@ -304,6 +304,34 @@ def codec_ms(engine: Engine, batch: int, frames: int, reps: int, graphed: bool) 
     return 1000 * (time.perf_counter() - started) / reps
 
 
+async def prefix_cache_ab(official: object, args: argparse.Namespace) -> dict[str, object]:
+    """One stream at a time on a one-slot engine, with the voice-prefix cache off, on, and on with the staged
+    prefill: first audio of the voices that have a text-independent prompt head worth caching (x-vector and
+    ICL clones on Base models, a named speaker on CustomVoice ones). Each voice speaks once unmeasured first
+    (which fills the cache)."""
+    results: dict[str, object] = {}
+    for mode, cached, staged in (("off", False, False), ("on", True, False), ("staged", True, True)):
+        engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, overlap_codec=args.overlap_codec,  # type: ignore[arg-type]
+                        fused_kernels=args.fused_kernels, chunk_schedule=args.chunk_schedule, prefix_cache=cached,
+                        staged_prefill=staged)
+        engine.warmup(progress=False)
+        if engine.model_type == "base":
+            reference = demo_reference()
+            voices = {"xvector": Voice(prompt=engine.create_voice(reference, None, x_vector_only=True)),
+                      "icl": Voice(prompt=engine.create_voice(reference, REF_TEXT))}
+        else:
+            voices = {"speaker": Voice(speaker=engine.speakers[0])}
+        for name, voice in voices.items():
+            await run_stream(engine, voice, args.frames, seed=0)
+            singles = [await run_stream(engine, voice, args.frames, seed=i) for i in range(1, args.runs + 1)]
+            key = f"{name}_prefix_cache_{mode}"
+            results[key] = summarize(singles, sum(t.end - t.submitted for t in singles))
+            log(f"{key}: first audio p50 {results[key]['first_audio_ms_p50']:.2f} ms, "  # type: ignore[index]
+                f"p95 {results[key]['first_audio_ms_p95']:.2f} ms")  # type: ignore[index]
+        engine.close()
+    return results
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     from qwen3tts_agent.models.loading import load_official_model
 
@@ -321,6 +349,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "switch_interval_ms": 1000 * sys.getswitchinterval(), "pdl": kernel_common.programmatic_launch(torch.device(args.device)),
     }
     reference = demo_reference()
+    if args.prefix_ab:
+        report["runs_per_voice"] = args.runs
+        report["prefix_cache_ab"] = await prefix_cache_ab(official, args)
+        return report
 
     if not args.load_only:
         # --- single stream, on an engine with one slot (its memory is what one stream costs)
@@ -431,6 +463,8 @@ def main() -> None:
     parser.add_argument("--chunk-schedule", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_CHUNK_SCHEDULE),
                         help="frames per audio chunk, in order; the last repeats")
     parser.add_argument("--single-only", action="store_true")
+    parser.add_argument("--prefix-ab", action="store_true",
+                        help="only one stream at a time, voice-prefix cache off then on (x-vector, ICL or a speaker)")
     parser.add_argument("--load-only", action="store_true", help="skip the single-stream part")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="sys.setswitchinterval for this process (Python's default is 5 ms): how long the engine "

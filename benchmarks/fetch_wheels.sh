@@ -12,6 +12,8 @@
 #                   none of FastAPI, Starlette, uvicorn, websockets, pydantic or pyzmq
 #   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
 #   .whl/server/    the server's stack for benchmarks/soak.py (fastapi, uvicorn, websockets, pydantic, ...)
+#   .whl/pipecat/   Pipecat and the few packages its pipeline and TTS service import that the machine lacks
+#                   (benchmarks/turn_latency.py; on top of the official stack and the server's)
 #
 # Install each stack into its own --target folder there (both import a package named qwen_tts):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -69,6 +71,16 @@ COMMON=(
     sox==1.4.1                  # 1.5.0 ships no wheel; only the unused 25 Hz tokenizer imports it
 )
 
+PIPECAT=(
+    pipecat-ai==1.14.0
+    loguru==0.7.3
+    loudness==0.2.0
+    num2words==0.5.14
+    sentencex==1.0.32
+    wait-for2==0.4.1
+    docstring-parser==0.18.0
+)
+
 PLATFORMS=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
     manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64; do
@@ -88,11 +100,12 @@ fetch official "${OFFICIAL[@]}"
 fetch faster "${FASTER[@]}"
 fetch common "${COMMON[@]}"
 fetch server "${SERVER[@]}"
+fetch pipecat "${PIPECAT[@]}"
 fetch tools py-spy==0.4.3
 
 # Prune stale wheels (another version, or a package no longer listed), then check that every
 # requirement of every wheel is met by the wheels installed with it or by the GPU machine's image.
-"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" "${SERVER[*]}" <<'PY'
+"$PYTHON" - "$DEST" "${OFFICIAL[*]}" "${FASTER[*]}" "${COMMON[*]}" "${SERVER[*]}" "${PIPECAT[*]}" <<'PY'
 import sys
 import zipfile
 from email.parser import Parser
@@ -104,7 +117,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 dest = Path(sys.argv[1])
 pins = {
     folder: {canonicalize_name(p.split("==")[0]): p.split("==")[1] for p in spec.split()}
-    for folder, spec in zip(("official", "faster", "common", "server"), sys.argv[2:6])
+    for folder, spec in zip(("official", "faster", "common", "server", "pipecat"), sys.argv[2:7])
 }
 
 # The GPU machine's Python packages (device docs, KINDS.md, read 2026-11-17).
@@ -135,7 +148,10 @@ DEVICE_VERSIONS = {"tokenizers": "0.23.2", "huggingface-hub": "1.33.0", "safeten
 # shared/notes/peers.md (pip --no-deps never enforces pins).
 ACCEPTED = {("qwen-tts-hf", "accelerate")}
 SKIPPED = {"gradio": "demo UI only, never imported by the benchmark",
-           "torchaudio": "the machine's own build (matches its torch)"}
+           "torchaudio": "the machine's own build (matches its torch)",
+           "openai": "Pipecat's OpenAI services only, not imported by the benchmark",
+           "resampy": "Pipecat's resampy resampler only (the service uses soxr)",
+           "python-dotenv": "Pipecat's runner only", "docopt": "num2words' command line only"}
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
@@ -165,7 +181,8 @@ def requirements(path: Path) -> list[Requirement]:
 
 problems = 0
 for stack in ("official", "faster"):
-    installed = {**wheels["common"], **wheels[stack], **(wheels["server"] if stack == "official" else {})}
+    extra = {**wheels["server"], **wheels["pipecat"]} if stack == "official" else {}
+    installed = {**wheels["common"], **wheels[stack], **extra}
     print(f"== requirement check, stack {stack} (+ common)")
     for name, (version, path) in sorted(installed.items()):
         for req in requirements(path):
@@ -190,7 +207,7 @@ for stack in ("official", "faster"):
 
 print("== fetched")
 total = 0
-for folder in ("official", "faster", "common", "server"):
+for folder in ("official", "faster", "common", "server", "pipecat"):
     for name, (version, path) in sorted(wheels[folder].items()):
         size = path.stat().st_size
         total += size

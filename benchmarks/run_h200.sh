@@ -9,7 +9,10 @@
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
-# SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only).
+# SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
+# (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
+# TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat), prefix-ab (one
+# stream, first audio with the voice-prefix cache off and on, 0.6B and 1.7B).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -100,6 +103,19 @@ for stage in "$@"; do
       official -m benchmarks.soak --model synthetic:0.6b --device cuda --utterances ${SOAK_UTTERANCES:-10000} \
         --concurrency ${SOAK_CONCURRENCY:-64} --max-streams 64 --frames 12 --max-rss-growth-mb 50 \
         --out "$out/soak-gpu.json" 2>&1 | tee "$out/soak.log" ;;
+    turn-latency)
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      [ -f /tmp/official/pipecat/__init__.py ] || $install --target /tmp/official .whl/pipecat/*.whl \
+        || echo "no Pipecat wheels (.whl/pipecat): the Pipecat rows will say so"
+      for m in synthetic:0.6b synthetic:0.6b-customvoice synthetic:1.7b-customvoice; do checkpoint $m > /dev/null; done
+      official -m benchmarks.turn_latency --models synthetic:0.6b,synthetic:0.6b-customvoice,synthetic:1.7b-customvoice \
+        --out "$out/turn-latency.json" 2>&1 | grep -v " | DEBUG " | tee "$out/turn-latency.log" ;;
+    prefix-ab)
+      for m in synthetic:0.6b synthetic:0.6b-customvoice synthetic:1.7b-customvoice; do
+        checkpoint $m > /dev/null
+        official -m benchmarks.bench_engine --model $m --prefix-ab --frames 25 --runs 20 $flags $pdl \
+          --out "$out/prefix-ab-${m#synthetic:}.json" 2>&1 | tee -a "$out/prefix-ab.log"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

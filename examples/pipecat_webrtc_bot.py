@@ -2,8 +2,12 @@
 
     python examples/pipecat_webrtc_bot.py -t webrtc          # then open http://localhost:7860/client/
 
-Silero VAD does turn-taking and barge-in. The TTS runs in TOKEN mode: the reply's text deltas stream
-into one engine stream per turn. Every session in the process shares one engine (one set of weights).
+Silero VAD does turn-taking and barge-in. The TTS runs in TOKEN mode by default: the reply's text deltas
+stream into one engine stream per turn, so speech starts on the LLM's first tokens. An in-context clone
+(--ref-audio with --ref-text) cannot start before the text covers its reference's span (tens of tokens), so
+for it the bot speaks sentence by sentence instead (SENTENCE mode: the first sentence, once complete, starts
+at once), unless --icl-early-start is given (see docs/pipecat.md). Every session in the process shares one
+engine (one set of weights).
 
 With an LLM configured (any OpenAI-compatible endpoint) the bot transcribes the caller with the
 endpoint's transcription API and answers with its chat API:
@@ -70,6 +74,7 @@ class SharedTTS:
     engine: Engine
     voices: dict[str, VoicePrompt]
     settings: Qwen3TTSService.Settings
+    aggregation: TextAggregationMode
 
 
 SHARED: SharedTTS | None = None
@@ -142,7 +147,7 @@ async def bot(runner_args: SmallWebRTCRunnerArguments) -> None:
         engine=SHARED.engine,
         voices=SHARED.voices,
         settings=SHARED.settings,
-        text_aggregation_mode=TextAggregationMode.TOKEN,
+        text_aggregation_mode=SHARED.aggregation,
     )
     before_tts, after_output = conversation()
     pipeline = Pipeline(
@@ -181,6 +186,18 @@ def add_voice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ref-audio", help="reference recording to clone (Base models)")
     parser.add_argument("--ref-text", help="transcript of --ref-audio (without it only the timbre is cloned)")
+    parser.add_argument(
+        "--max-ref-seconds", type=float,
+        help="keep only the reference's first whole sentences within this (a shorter wait for text)",
+    )
+    parser.add_argument(
+        "--icl-early-start", action="store_true",
+        help="an in-context clone starts on the first tokens (not the official prompt; see docs/pipecat.md)",
+    )
+    parser.add_argument(
+        "--aggregation", choices=("auto", "token", "sentence"), default="auto",
+        help="TTS text aggregation; auto: sentence for an in-context clone without --icl-early-start, else token",
+    )
     parser.add_argument("--language", default="auto")
     parser.add_argument("--max-frames", type=int, help="cap each reply at this many 80 ms frames")
 
@@ -190,19 +207,31 @@ def load_shared_tts(args: argparse.Namespace) -> SharedTTS:
     engine = Engine.load(args.model, device=args.device)
     engine.warmup()
     voices: dict[str, VoicePrompt] = {}
-    settings = Qwen3TTSService.Settings(language=args.language, instruct=args.instruct)
+    settings = Qwen3TTSService.Settings(
+        language=args.language, instruct=args.instruct, icl_early_start=args.icl_early_start
+    )
+    in_context = False
     if engine.model_type == "base":
         if not args.ref_audio:
             raise SystemExit("a Base model clones a voice: pass --ref-audio (and --ref-text)")
         voices["ref"] = engine.create_voice(
-            args.ref_audio, args.ref_text, x_vector_only=args.ref_text is None
+            args.ref_audio, args.ref_text, x_vector_only=args.ref_text is None,
+            max_ref_seconds=args.max_ref_seconds,
         )
         settings.voice = "ref"
+        in_context = args.ref_text is not None
     elif engine.model_type == "custom_voice":
         settings.speaker = args.speaker or engine.speakers[0]
     if args.max_frames:
         settings.sampling = SamplingParams(max_frames=args.max_frames)
-    return SharedTTS(engine, voices, settings)
+    # TOKEN mode starts on the LLM's first tokens, except for an in-context clone, whose first frame needs
+    # text covering its reference: a complete first sentence (SENTENCE mode) usually comes sooner
+    sentence = args.aggregation == "sentence" or (
+        args.aggregation == "auto" and in_context and not args.icl_early_start
+    )
+    aggregation = TextAggregationMode.SENTENCE if sentence else TextAggregationMode.TOKEN
+    logger.info(f"TTS text aggregation: {aggregation}")
+    return SharedTTS(engine, voices, settings, aggregation)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,15 @@ class Qwen3TTSSettings(TTSSettings):
         speaker: Named speaker for CustomVoice models.
         instruct: Speaking-style instruction (1.7B CustomVoice) or voice description (VoiceDesign).
         sampling: Decoding parameters (``max_frames`` caps an utterance); None for the engine defaults.
+        icl_early_start: In-context clones in TOKEN mode start speaking on the first words instead of
+            waiting for text covering the reference (``Voice.icl_early_start``: not the official prompt,
+            speech quality not judged; off by default).
     """
 
     speaker: str | None | NotGiven = field(default_factory=lambda: NOT_GIVEN)
     instruct: str | None | NotGiven = field(default_factory=lambda: NOT_GIVEN)
     sampling: SamplingParams | None | NotGiven = field(default_factory=lambda: NOT_GIVEN)
+    icl_early_start: bool | NotGiven = field(default_factory=lambda: NOT_GIVEN)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ class Qwen3TTSService(TTSService):
             **kwargs: Passed to ``TTSService`` (``text_aggregation_mode``, ``sample_rate``, ...).
         """
         default_settings = self.Settings(
-            model=None, voice=None, language="auto", speaker=None, instruct=None, sampling=None
+            model=None, voice=None, language="auto", speaker=None, instruct=None, sampling=None,
+            icl_early_start=False,
         )
         if settings is not None:
             default_settings.apply_update(settings)
@@ -244,6 +249,7 @@ class Qwen3TTSService(TTSService):
                 speaker=assert_given(s.speaker),
                 instruct=assert_given(s.instruct),
                 prompt=await self._voice_prompt(assert_given(s.voice)),
+                icl_early_start=assert_given(s.icl_early_start),
             )
             stream = self._engine.open_stream(
                 text,

@@ -160,6 +160,24 @@ async def test_token_mode_streams_a_turn_into_one_engine_stream(engine: Engine, 
     assert rms(audio(down)) > 300
 
 
+@pytest.mark.parametrize("early_start", [False, True])
+async def test_icl_early_start_setting_starts_a_token_mode_turn_on_its_first_words(
+    engine: Engine, early_start: bool
+) -> None:
+    """An in-context clone's first frame needs text covering its 2 s reference (~20 tokens); the setting
+    (`Voice.icl_early_start`) starts it on the first words instead."""
+    clone = engine.create_voice(warmup_reference(), "A reference voice.")
+    settings = Qwen3TTSService.Settings(voice="ref", sampling=fixed(6), icl_early_start=early_start)
+    tts, reports = make_tts(engine, clone, frames=6, mode=TOKEN, settings=settings)
+    await run_test(tts, frames_to_send=llm_turn("Hello there, ", "how are ", SleepFrame(1.0), "you today?"))
+    [report] = reports
+    assert report.result.frames == 6
+    if early_start:
+        assert report.first_audio < 1.0 and report.result.text_wait < 0.5
+    else:  # a few words cover too little: it speaks once the turn's text is complete
+        assert report.first_audio >= 1.0 and report.result.text_wait >= 0.9
+
+
 async def test_sentence_mode_speaks_each_sentence(engine: Engine, voice: VoicePrompt) -> None:
     tts, reports = make_tts(engine, voice, frames=6)
     down, _ = await run_test(tts, frames_to_send=llm_turn("Hello there. ", "How are ", "you today?"))

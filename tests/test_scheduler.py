@@ -98,6 +98,24 @@ def test_prompt_bodies_wait_for_enough_text() -> None:
     assert icl.position == 11 and icl.body_done and icl.consumed == 3
 
 
+def test_first_frame_needs_one_text_token_past_the_prompt_body() -> None:
+    """The text the first frame needs (`StreamResult.text_wait` ends when it is there): the body's, and the
+    text-track token the first frame's talker step reads."""
+    plain = PromptShape(TextLayout.INTERLEAVED)
+    assert [plain.first_frame_ready(n, False) for n in range(3)] == [False, False, True]
+    icl = PromptShape(TextLayout.INTERLEAVED, icl_codec_len=5, ref_text_len=2)
+    assert [n for n in range(6) if icl.first_frame_ready(n, False)] == [4, 5]  # 5 + 1 - 2 tokens
+    assert [n for n in range(6) if icl.body_ready(n, False)] == [3, 4, 5]
+    early = PromptShape(TextLayout.INTERLEAVED, icl_codec_len=5, ref_text_len=2, icl_early_start=True)
+    assert [n for n in range(6) if early.first_frame_ready(n, False)] == [1, 2, 3, 4, 5]
+    assert [n for n in range(6) if early.body_ready(n, False)] == [1, 2, 3, 4, 5]
+    long_transcript = PromptShape(TextLayout.INTERLEAVED, icl_codec_len=5, ref_text_len=7)
+    assert long_transcript.first_frame_ready(0, False)  # its transcript runs past the reference's frames
+    whole = PromptShape(TextLayout.PREFILL)
+    assert not whole.first_frame_ready(10, False) and whole.first_frame_ready(1, True)
+    assert all(shape.first_frame_ready(1, True) for shape in (plain, icl, early))
+
+
 def test_text_track_feeds_new_text_then_the_end_once() -> None:
     scheduler = make_scheduler()
     r = make_request("r")

@@ -30,7 +30,7 @@ from .frontend import EngineFrontend, EngineStats, error_from_info
 from .messages import CoreRequest, ErrorInfo
 from .text import TextTokenizer
 from .types import VoicePrompt
-from .voices import AudioInput, read_reference_audio
+from .voices import AudioInput, prepare_reference
 
 logger = logging.getLogger(__name__)
 
@@ -230,11 +230,16 @@ class EngineClient(EngineFrontend):
         stats.healthy = self.healthy
         return stats
 
-    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        """Encode a reference voice in the core process (cached there by content). Blocking; thread-safe."""
+    def create_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
+        """Encode a reference voice in the core process (cached there by content). Blocking; thread-safe.
+        `max_ref_seconds`: as for `Engine.create_voice` (the reference is cut here)."""
         if self._closed:
             raise EngineClosedError("engine client is closed")
-        wav, sr = read_reference_audio(ref_audio)  # refuse bad audio here, before it crosses processes
+        # refuse bad audio here, before it crosses processes
+        wav, sr, ref_text = prepare_reference(ref_audio, ref_text, x_vector_only, max_ref_seconds)
         call_id = next(self._calls)
         future: Future[VoicePrompt] = Future()
         self._pending_calls[call_id] = future

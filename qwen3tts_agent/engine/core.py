@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline
-from .cuda_graphs import GraphedFrameStep, GraphedPrefill, power_of_two_buckets
+from .cuda_graphs import GraphedFrameStep, GraphedPrefill, GraphedStagedPrefill, power_of_two_buckets
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -50,6 +50,7 @@ from .messages import (
     ErrorInfo,
     FinishOutput,
 )
+from .prefixes import PrefixCache
 from .prompt import PromptBuilder, PromptSpec
 from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
@@ -65,6 +66,10 @@ MAX_CONSECUTIVE_FAILURES = 3
 # Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
 # for it (see `Scheduler.steps_can_wait`), so the codec lane gets the device before listeners starve.
 URGENT_AUDIO_S = 0.06
+# Voice prefixes (prompt heads) whose keys and values the runner keeps, and their longest (in positions): a
+# head is ~10 positions, more with an instruction; longer ones are prefilled with every request.
+PREFIX_ENTRIES = 16
+PREFIX_MAX_POSITIONS = 64
 
 
 class OutputSink(Protocol):
@@ -90,6 +95,8 @@ class CoreConfig:
     top_k_cap: int = DEFAULT_TOP_K_CAP
     poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
+    prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
+    staged_prefill: bool = False  # one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
 
 
 @dataclass
@@ -119,11 +126,19 @@ class EngineCore:
         self._sink = sink
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
+        # the PyTorch runner keeps voice prefixes (`copy_prefix`); other runners simply prefill every prompt's head
+        prefix_store: dict[str, Any] = (
+            dict(prefix_entries=PREFIX_ENTRIES, prefix_len=PREFIX_MAX_POSITIONS, staged_prefill=config.staged_prefill)
+            if config.prefix_cache and config.backend == "torch" else {}
+        )
         # one text-track token per frame at most, so a track never outgrows the cache
         self.runner = create_runner(
             model, config.backend, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
             max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap, fused_kernels=config.fused_kernels,
+            **prefix_store,
         )
+        entries = getattr(self.runner, "prefix_entries", 0)
+        self._prefixes = PrefixCache(entries, self.runner.prefix_len) if entries else None
         self.scheduler = Scheduler(
             max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
             max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
@@ -146,10 +161,10 @@ class EngineCore:
             self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
-        self._text_wait: dict[str, float] = {}
         self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
         self._frame_graphs: GraphedFrameStep | None = None
         self._prefill_graphs: GraphedPrefill | None = None
+        self._staged_graphs: GraphedStagedPrefill | None = None
         if graphed:
             kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
             self._frame_graphs = GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets)
@@ -160,6 +175,8 @@ class EngineCore:
                 [k for k in kv_buckets if k <= 512] or kv_buckets[:1],
                 max_tokens=2048,
             )
+            if getattr(self.runner, "stage_rows", 0):
+                self._staged_graphs = GraphedStagedPrefill(self.runner, (16, 32, 64))
         pin = cuda
         groups = self.runner.num_groups
         self._host_out = [torch.zeros(config.max_streams, groups + 1, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
@@ -187,10 +204,17 @@ class EngineCore:
         self._messages.put(_Control(None, None))
 
     def capture_graphs(self, progress: bool) -> None:
-        """Capture every CUDA graph (frame, prefill, both codec lanes); on the core's thread."""
+        """Capture every CUDA graph (frame, prefill, staged prefill, both codec lanes); on the core's thread."""
         for graphs in (self._frame_graphs, self._prefill_graphs):
             if graphs is not None:
                 graphs.capture(progress=progress)
+        if self._staged_graphs is not None:
+            try:
+                self._staged_graphs.capture(progress=progress)
+            except Exception:  # noqa: BLE001 - an optimisation: without it the prompt graphs do the same work
+                logger.exception("staged prefill graphs failed to capture; one-token prompt pieces use the prompt graphs")
+                self._staged_graphs = None
+                self.runner.stage_rows = 0
         self.audio.capture(progress)
 
     @property
@@ -279,8 +303,10 @@ class EngineCore:
                 return  # ended meanwhile (finished, failed, aborted): late text or a second cancel
             elif isinstance(message, AppendText):
                 self.scheduler.append_text(request, message.token_ids)
+                self._note_text(request)
             elif isinstance(message, CloseInput):
                 self.scheduler.close_input(request, message.token_ids)
+                self._note_text(request)
             elif isinstance(message, AbortRequest):
                 self.stats.cancels += 1
                 self._end(request, FinishReason.CANCELLED)
@@ -298,6 +324,7 @@ class EngineCore:
             layout=spec.layout,
             icl_codec_len=None if icl is None else 1 + int(icl.shape[0]),
             ref_text_len=len(spec.ref_text_ids),
+            icl_early_start=spec.icl_early_start,
         )
         request = RequestState(
             message.request_id, shape, message.chunk_schedule, message.submitted,
@@ -308,16 +335,23 @@ class EngineCore:
         self._sampling[request.request_id] = message.sampling
         self.stats.streams_started += 1
 
+    def _note_text(self, request: RequestState) -> None:
+        """Stamp when the text the first frame needs has arrived (for `StreamResult.text_wait`)."""
+        if not request.text_ready and request.shape.first_frame_ready(len(request.text_ids), request.closed):
+            request.text_ready = time.perf_counter()
+
     # ----------------------------------------------------------------- prompts
     def _prompts(self) -> bool:
         """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
         now = time.perf_counter()
         admitted = self.scheduler.admit(now)
-        plans = self.scheduler.prefill_plans()
+        plans = [] if admitted else self.scheduler.prefill_plans()
         if admitted or plans:
             with self._lane(self._prefill_stream):
                 for request in admitted:
                     self._guarded(request, self._set_up, request)
+                if admitted:  # after the set-up: a head copied from the prefix store needs no prefill
+                    plans = self.scheduler.prefill_plans()
                 rows = []
                 for plan in plans:
                     if self.scheduler.is_live(plan.request):
@@ -344,6 +378,10 @@ class EngineCore:
         spec = self._specs[request.request_id]
         self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
         self.audio.start(request.request_id, spec)
+        entry = self._prefixes.get(self.prompts.head_key(spec)) if self._prefixes is not None else None
+        if entry is not None:  # the voice's head was prefilled before: copy its keys and values
+            self.runner.copy_prefix(entry.index, slot, entry.length)
+            self.scheduler.on_prefilled(PrefillPlan(request, head=True, body_ids=None), entry.length, time.perf_counter())
 
     def _prompt_row(self, plan: PrefillPlan) -> PrefillRow:
         request = plan.request
@@ -368,9 +406,15 @@ class EngineCore:
     def _prefill(self, rows: list[tuple[PrefillPlan, PrefillRow]]) -> None:
         prefill_rows = [row for _, row in rows]
         try:
-            graphs = self._prefill_graphs
-            if graphs is None or not graphs.captured or not graphs(prefill_rows):
-                self.runner.prefill(prefill_rows)
+            runner, staged = self.runner, self._staged_graphs
+            if getattr(runner, "stage_rows", 0) and runner.can_stage(prefill_rows):
+                # one-token pieces (after a prefix from the store): the Triton decode step
+                if staged is None or not staged.captured or not staged(prefill_rows):
+                    runner.staged_prefill(prefill_rows)
+            else:
+                graphs = self._prefill_graphs
+                if graphs is None or not graphs.captured or not graphs(prefill_rows):
+                    self.runner.prefill(prefill_rows)
         except Exception as exc:  # noqa: BLE001 - a failed prefill (e.g. out of memory) fails its batch only
             logger.exception("prefill of %d prompts failed", len(rows))
             for plan, _ in rows:
@@ -379,11 +423,20 @@ class EngineCore:
         now = time.perf_counter()
         for plan, row in rows:
             request = plan.request
+            if plan.head and self._prefixes is not None:
+                self._store_prefix(request, row)
             self.scheduler.on_prefilled(plan, row.embeds.shape[0], now)
             trailing = self._trailing.pop(request.request_id, [])
             if plan.body_ids is not None:
-                self._text_wait[request.request_id] = now - max(request.admitted_at, request.submitted)
                 self._guarded(request, self._feed, request, trailing)
+
+    def _store_prefix(self, request: RequestState, row: PrefillRow) -> None:
+        """Keep a just prefilled head in the prefix store, if its voice has no entry yet."""
+        assert self._prefixes is not None
+        spec = self._specs[request.request_id]
+        entry = self._prefixes.claim(self.prompts.head_key(spec), self.prompts.head(spec).shape[0])
+        if entry is not None:
+            self.runner.store_prefix(row.slot, entry.index, entry.length)
 
     def _feed(self, request: RequestState, ids: list[int]) -> None:
         if not self.scheduler.track_room(request, ids):
@@ -522,7 +575,7 @@ class EngineCore:
         self._sink_finish(FinishOutput(
             rid, reason, None if error is None else _error_info(error), frames=request.frames,
             queue_wait=max(0.0, request.admitted_at - request.submitted) if request.admitted_at else 0.0,
-            text_wait=self._text_wait.pop(rid, 0.0), codes=request.codes, exception=error,
+            text_wait=_text_wait(request), codes=request.codes, exception=error,
         ))
 
     def _sink_finish(self, output: FinishOutput) -> None:
@@ -574,6 +627,14 @@ class _no_lane:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _text_wait(request: RequestState) -> float:
+    """How long the request's first frame waited for text: from its admission (before it, it waited for a
+    slot) until the text its first frame needs had arrived, or until now if it never did."""
+    if not request.admitted_at:
+        return 0.0
+    return max(0.0, (request.text_ready or time.perf_counter()) - request.admitted_at)
 
 
 def _error_info(exc: BaseException) -> ErrorInfo:

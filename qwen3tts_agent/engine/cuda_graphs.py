@@ -12,10 +12,11 @@ come from the same capture stream, or they would share a scratch buffer while ru
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +26,8 @@ from .host import upload
 from .runner import ModelRunner, PrefillRow
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def power_of_two_buckets(limit: int, start: int = 1) -> list[int]:
@@ -47,6 +50,34 @@ def split_frames(t: int, sizes: Sequence[int]) -> list[int]:
     return pieces if t == 0 else []
 
 
+class GraphCapture:
+    """What every family of graphs here shares when capturing: a memory pool (from its first graph) and a
+    capture stream of its own (its own cuBLAS workspace, see the module docstring).
+
+    `capture(fn)` runs `fn` once eagerly on a side stream (the allocator and the libraries settle their
+    choices for the shape outside the capture), then captures it; `fn`'s result is the graph's static output.
+    """
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._stream = torch.cuda.Stream()
+        self._side: torch.cuda.Stream | None = None
+
+    def capture(self, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            fn()
+        torch.cuda.current_stream().wait_stream(self._side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            out = fn()
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
+
+
 class GraphedFrameStep:
     """Captures and replays `frame_step` graphs; call `capture()` (e.g. from `Engine.warmup`) before serving."""
 
@@ -57,8 +88,7 @@ class GraphedFrameStep:
         if self.batch_buckets[-1] > runner.max_slots or self.kv_buckets[-1] > runner.max_seq_len:
             raise ValueError("buckets exceed the runner's slots or sequence length")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
-        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
+        self._capture = GraphCapture()
 
     def bucket(self, b: int, kv_len: int) -> tuple[int, int]:
         bi = bisect.bisect_left(self.batch_buckets, b)
@@ -74,20 +104,9 @@ class GraphedFrameStep:
         runner = self.runner
         saved_active = runner.active.clone()
         runner.active.zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         keys = [(b, k) for b in self.batch_buckets for k in self.kv_buckets]
-        iterator = track(keys, desc="capturing CUDA graphs", enabled=progress)
-        for b, kv in iterator:
-            with torch.cuda.stream(side):  # eager first run of each shape: allocator, library kernel choice
-                runner.frame_step(b, kv)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
-                runner.frame_step(b, kv)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[(b, kv)] = graph
+        for b, kv in track(keys, desc="capturing CUDA graphs", enabled=progress):
+            self._graphs[(b, kv)], _ = self._capture.capture(functools.partial(runner.frame_step, b, kv))
         torch.cuda.synchronize()
         runner.active.copy_(saved_active)
         seconds = time.perf_counter() - started
@@ -138,8 +157,7 @@ class GraphedPrefill:
         self._slots = torch.zeros(largest_b, device=dev, dtype=torch.int64)
         self._last = torch.zeros(largest_b, device=dev, dtype=torch.int64)
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
-        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
+        self._capture = GraphCapture()
 
     def _inputs(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = self.runner.hidden_size
@@ -158,19 +176,9 @@ class GraphedPrefill:
     def capture(self, progress: bool = True) -> None:
         """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
         self._write_pos.fill_(self.runner.max_seq_len)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             inputs = self._inputs(b, t)
-            with torch.cuda.stream(side):
-                self.runner.prefill_forward(*inputs, kv_len=k)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
-                out = self.runner.prefill_forward(*inputs, kv_len=k)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[(b, t, k)] = (graph, out)
+            self._graphs[(b, t, k)] = self._capture.capture(functools.partial(self.runner.prefill_forward, *inputs, kv_len=k))
         torch.cuda.synchronize()
 
     @property
@@ -189,6 +197,56 @@ class GraphedPrefill:
             static.copy_(value)
         graph.replay()
         self.runner.finish_prefill(rows, out)
+        return True
+
+
+class GraphedStagedPrefill:
+    """CUDA graphs of `ModelRunner.staged_prefill_forward`, one per (rows, KV length) bucket.
+
+    A prompt whose voice prefix came from the prefix store has a one-token text-dependent part (CustomVoice,
+    x-vector clones, VoiceDesign). The batched prompt graphs would pad it to their smallest length bucket and
+    run it on the PyTorch layers; here it runs as the talker's Triton decode step, in the runner's staging
+    cache, starting at the prefix's length.
+    """
+
+    def __init__(self, runner: ModelRunner, kv_buckets: Iterable[int]) -> None:
+        if not runner.stage_rows:
+            raise ValueError("the runner has no staging cache")
+        self.runner = runner
+        self.row_buckets = power_of_two_buckets(runner.stage_rows)
+        self.kv_buckets = sorted({min(k, runner.stage_len) for k in kv_buckets} | {runner.stage_len})
+        dev = runner.device
+        self._embeds = torch.zeros(runner.stage_rows, 1, runner.hidden_size, device=dev, dtype=runner.dtype)
+        self._write_pos = torch.full((runner.stage_rows, 1), runner.stage_len, device=dev, dtype=torch.int64)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture = GraphCapture()
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        """Capture every bucket with every row on the staging cache's padding column (no slot changes)."""
+        keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
+        for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
+            forward = functools.partial(self.runner.staged_prefill_forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
+            self._graphs[(b, k)] = self._capture.capture(forward)
+        torch.cuda.synchronize()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def __call__(self, rows: list[PrefillRow]) -> bool:
+        """Prefill one-token `rows` by replaying a bucket's graph; False (nothing done) when they do not fit."""
+        runner = self.runner
+        if not runner.can_stage(rows):
+            return False
+        b = self.row_buckets[bisect.bisect_left(self.row_buckets, len(rows))]
+        kv = self.kv_buckets[bisect.bisect_left(self.kv_buckets, max(r.start for r in rows) + 1)]
+        graph, out = self._graphs[(b, kv)]
+        embeds, write_pos = runner.staged_prefill_inputs(rows, b)
+        self._embeds[:b].copy_(embeds)
+        self._write_pos[:b].copy_(write_pos)
+        graph.replay()
+        runner.finish_staged_prefill(rows, out)
         return True
 
 
@@ -219,25 +277,13 @@ class GraphedCodecDecode:
         self._scratch = self._slots.clone()
         self._codes = torch.zeros(largest, self.frame_sizes[-1], codec.num_quantizers, dtype=torch.long, device=codec.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
-        self._capture_stream = torch.cuda.Stream()  # its own cuBLAS workspace (see the module docstring)
+        self._capture = GraphCapture()
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
         for b, t in track(keys, desc="capturing codec graphs", enabled=progress):
-            slots, codes = self._slots[:b], self._codes[:b, :t]
-            with torch.cuda.stream(side):
-                self.codec.decode(slots, codes)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
-                out = self.codec.decode(slots, codes)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[(b, t)] = (graph, out)
+            self._graphs[(b, t)] = self._capture.capture(functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t]))
         torch.cuda.synchronize()
 
     @property

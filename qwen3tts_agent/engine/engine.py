@@ -102,6 +102,8 @@ class Engine(EngineFrontend):
         shed_when_behind: bool | None = None,
         adapt_chunks: bool | None = None,
         backend: str = "auto",
+        prefix_cache: bool = True,
+        staged_prefill: bool = False,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -110,7 +112,12 @@ class Engine(EngineFrontend):
         in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
         where an engine near real time would otherwise cut most chunks short.
         `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
-        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md)."""
+        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
+        `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
+        stream of a voice seen before prefills only its text-dependent part; the audio is the same either
+        way (the "torch" backend; the CPU backends prefill every head). `staged_prefill` (opt-in): with
+        the prefix cache on a GPU, a one-token text part runs as the talker's Triton decode step in a staging
+        cache instead of a prompt graph (docs/engine.md says what has been verified of it)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -126,6 +133,7 @@ class Engine(EngineFrontend):
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
+            prefix_cache=prefix_cache, staged_prefill=staged_prefill,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
@@ -173,11 +181,20 @@ class Engine(EngineFrontend):
         return cls(official, **engine_kwargs)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- voices
-    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        """Encode a reference voice once (cached by content). Blocking; thread-safe."""
+    def create_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
+        """Encode a reference voice once (cached by content). Blocking; thread-safe.
+
+        `max_ref_seconds` (in-context clones): keep only the reference's first whole sentences that fit in
+        this many seconds, audio and transcript alike (`voices.trim_reference`), since the first frame of an
+        in-context clone waits for about one text token per reference frame. The voice is then exactly the
+        one the official package makes of that shorter reference; `VoicePrompt.ref_text` says what was kept.
+        """
         if self._voices is None:
             raise UnsupportedFeatureError(f"voice cloning needs a Base model; this one is {self.model_type}")
-        return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only)
+        return self._voices.create(ref_audio, ref_text, x_vector_only=x_vector_only, max_ref_seconds=max_ref_seconds)
 
 
     # ----------------------------------------------------------------- the core

@@ -154,12 +154,20 @@ class EngineFrontend:
     def stats(self) -> EngineStats:
         raise NotImplementedError
 
-    def create_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
+    def create_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
         """Encode a reference voice once (cached by content). Blocking; thread-safe."""
         raise NotImplementedError
 
-    async def acreate_voice(self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False) -> VoicePrompt:
-        return await asyncio.to_thread(self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only)
+    async def acreate_voice(
+        self, ref_audio: AudioInput, ref_text: str | None = None, *, x_vector_only: bool = False,
+        max_ref_seconds: float | None = None,
+    ) -> VoicePrompt:
+        return await asyncio.to_thread(
+            self.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only, max_ref_seconds=max_ref_seconds
+        )
 
     def warmup(self, progress: bool = True) -> None:
         """Make the first request as fast as the rest (capture graphs, run one utterance)."""
@@ -224,7 +232,9 @@ class EngineFrontend:
         ref_ids: tuple[int, ...] = ()
         if clone is not None and clone.ref_codes is not None:
             ref_ids = tuple(self.tokenizer.ref_ids(validate_text(clone.ref_text or "", what="ref_text")))
-        return PromptSpec(language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout))
+        return PromptSpec(
+            language_id, speaker_id, clone, instruct_ids, ref_ids, TextLayout(layout), icl_early_start=voice.icl_early_start
+        )
 
     # ----------------------------------------------------------------- streams
     def open_stream(
@@ -268,8 +278,7 @@ class EngineFrontend:
             self._streams[request_id] = stream
         self._send(AddRequest(request_id, spec, sampling, schedule, stream.submitted))
         if text is not None:
-            stream.push_text(text)
-            stream.close_input()
+            stream._push_whole(text)
         return stream
 
     async def synthesize(self, text: str, **kwargs: object) -> AsyncIterator[AudioChunk]:

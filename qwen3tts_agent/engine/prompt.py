@@ -35,6 +35,7 @@ class PromptSpec:
     instruct_ids: tuple[int, ...] = ()
     ref_text_ids: tuple[int, ...] = ()  # ICL reference transcript tokens
     layout: TextLayout = TextLayout.INTERLEAVED
+    icl_early_start: bool = False  # `Voice.icl_early_start`: not the official prompt (see `PromptBuilder.body`)
 
     @property
     def icl(self) -> bool:
@@ -90,10 +91,15 @@ class PromptBuilder:
             ref = torch.cat([self._codec([self._tcfg.codec_bos_id]), torch.stack(parts, dim=1).sum(1)])
         return _lru_put(self._voices, clone.voice_id, (speaker, ref))
 
+    @staticmethod
+    def head_key(spec: PromptSpec) -> tuple[object, ...]:
+        """What a prompt's head depends on: requests with equal keys have equal heads."""
+        return (spec.language_id, spec.speaker_id, spec.clone.voice_id if spec.clone else None, spec.instruct_ids)
+
     @torch.inference_mode()
     def head(self, spec: PromptSpec) -> torch.Tensor:
         """The text-independent prompt part [t, hidden]; shared between requests: do not modify it."""
-        key = (spec.language_id, spec.speaker_id, spec.clone.voice_id if spec.clone else None, spec.instruct_ids)
+        key = self.head_key(spec)
         cached = _lru_get(self._heads, key)
         if cached is not None:
             return cached
@@ -128,7 +134,8 @@ class PromptBuilder:
         if spec.layout is TextLayout.PREFILL:
             return False
         if spec.icl:
-            return len(spec.ref_text_ids) + n_text >= self._icl_codec_len(spec)
+            covered = len(spec.ref_text_ids) + n_text >= self._icl_codec_len(spec)
+            return covered or (spec.icl_early_start and n_text >= 1)
         return n_text >= 1
 
     def _icl_codec_len(self, spec: PromptSpec) -> int:
@@ -162,6 +169,13 @@ class PromptBuilder:
             n_codec = codec.shape[0]
             if len(all_ids) > n_codec:
                 return PromptBody(self._text(all_ids[:n_codec]) + codec, all_ids[n_codec:])
+            if not closed and spec.icl_early_start and text_ids:
+                # Early start (opt-in, NOT the official prompt): the reference span is laid out with the text
+                # known so far but its last token, padded over the rest; that token and all later text follow
+                # on the text track, so the first frame needs no more text. The official layout would put
+                # the later text inside the span.
+                known = list(spec.ref_text_ids) + text_ids[:-1]
+                return PromptBody(self._text(known + [pad] * (n_codec - len(known))) + codec, text_ids[-1:])
             return PromptBody(self._text(all_ids + [pad] * (n_codec - len(all_ids))) + codec, [])
         if spec.layout is TextLayout.PREFILL:
             ids = text_ids + tail

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 TRITON_PATH = "triton"  # a `kernel_paths` value: the stack runs as the Triton kernels
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
+# Rows of the staging cache, in which one-token prompt pieces run as the Triton decode step (`staged_prefill`)
+STAGE_ROWS = 4
 # the rows of the per-slot tables (`ModelRunner.reset_slot`)
 _INT_FIELDS = ("pos", "n_sampled", "step_idx", "text_len", "top_k", "sub_top_k", "seed")
 _FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "sub_temperature", "sub_top_p")
@@ -67,10 +69,17 @@ class ModelRunner:
         max_text_tokens: int,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         fused_kernels: bool = True,
+        prefix_entries: int = 0,
+        prefix_len: int = 64,
+        staged_prefill: bool = False,
     ) -> None:
         """`fused_kernels`: where Triton can run (a GPU), the talker's single-token steps and every predictor
         step run as the Triton kernels (`qwen3tts_agent.kernels`), for each stack whose shapes they take;
-        elsewhere, for other stacks, and for prompts, PyTorch. `kernel_paths` says which."""
+        elsewhere, for other stacks, and for prompts, PyTorch. `kernel_paths` says which.
+
+        `prefix_entries`: how many voice prefixes (a prompt's voice-only head, up to `prefix_len` positions)
+        the prefix store holds (`store_prefix`, `copy_prefix`); 0 for none. `staged_prefill`: with a store
+        and a Triton talker, one-token prompt pieces run as the decode step in a staging cache."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -114,9 +123,22 @@ class ModelRunner:
 
         dev, dt = self.device, self.dtype
         kv_heads, head_dim = cfg.num_key_value_heads, self.layers[0].head_dim
-        # one spare column per slot: inactive rows write their keys there
-        self.k_cache = [torch.zeros(max_slots, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt) for _ in self.layers]
-        self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
+        # One spare column per slot: inactive rows write their keys there. Keys and values of every layer
+        # are views of one tensor [2, layers, slots, kv_heads, positions, head_dim], so that a slot's
+        # positions [0, n) of all layers are one strided view: copying a prefix is one copy.
+        n_layers = len(self.layers)
+        self.kv_cache = torch.zeros(2, n_layers, max_slots, kv_heads, max_seq_len + 1, head_dim, device=dev, dtype=dt)
+        self.k_cache, self.v_cache = list(self.kv_cache[0].unbind(0)), list(self.kv_cache[1].unbind(0))
+        # voice prefixes (the KV of prompt heads), and the staging cache of one-token prompt pieces
+        self.prefix_entries = prefix_entries
+        self.prefix_len = min(prefix_len, max_seq_len - 1) if prefix_entries else 0
+        self.prefix_kv = torch.zeros(2, n_layers, prefix_entries, kv_heads, self.prefix_len, head_dim, device=dev, dtype=dt)
+        # its last column is where padding rows write
+        self.stage_rows = STAGE_ROWS if staged_prefill and prefix_entries and self.fused_talker else 0
+        self.stage_len = self.prefix_len + 1 if self.stage_rows else 0
+        self.stage_kv = torch.zeros(2, n_layers, self.stage_rows, kv_heads, self.stage_len + 1, head_dim, device=dev, dtype=dt)
+        # prompts run on a lane of their own beside the frame steps: their kernels count arrivals apart
+        self._stage_counters = kernel_common.new_counters(dev) if self.stage_rows else None
         p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
         self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
         self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
@@ -252,6 +274,20 @@ class ModelRunner:
             raise ValueError(f"text track longer than {self.max_text_tokens} tokens")
         self.text_embeds[slot, start:end] = self.text_track_embeddings(upload(ids, torch.int64, self.device))
         self.text_len[slot].fill_(end)  # a fill, not a (synchronising) copy from a host scalar
+
+    def store_prefix(self, slot: int, entry: int, length: int) -> None:
+        """Keep `slot`'s cache positions [0, length) of every layer (a prompt's voice-only head, just
+        prefilled) as prefix `entry` of the store. One asynchronous device copy, on the current stream."""
+        if not 0 < length <= self.prefix_len or not 0 <= entry < self.prefix_entries:
+            raise ValueError(f"prefix entry {entry} of {length} positions does not fit the prefix store")
+        self.prefix_kv[:, :, entry, :, :length].copy_(self.kv_cache[:, :, slot, :, :length])
+
+    def copy_prefix(self, entry: int, slot: int, length: int) -> None:
+        """Start `slot`'s cache with prefix `entry` (positions [0, length) of every layer) instead of
+        prefilling them: the prompt's next piece then starts at position `length`. One asynchronous copy."""
+        if not 0 < length <= self.prefix_len or not 0 <= entry < self.prefix_entries:
+            raise ValueError(f"prefix entry {entry} of {length} positions does not fit the prefix store")
+        self.kv_cache[:, :, slot, :, :length].copy_(self.prefix_kv[:, :, entry, :, :length])
 
     # ----------------------------------------------------------------- the model maths
     def text_track_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
@@ -450,6 +486,54 @@ class ModelRunner:
         act = upload([r.sample for r in rows], torch.bool, self.device)
         hidden = last_hidden[:n]
         self._record_code0(self.codec_head(hidden), slots, act, hidden, frame=False)
+
+    def can_stage(self, rows: Sequence[PrefillRow]) -> bool:
+        """Whether `staged_prefill` takes these prompt pieces: one token each, within the staging cache."""
+        return (
+            0 < len(rows) <= self.stage_rows
+            and all(r.embeds.shape[0] == 1 and r.start < self.stage_len for r in rows)
+        )
+
+    @torch.inference_mode()
+    def staged_prefill(self, rows: Sequence[PrefillRow]) -> None:
+        """`prefill` for one-token pieces (the text-dependent part of a prompt whose head came from the
+        prefix store) as the Triton decode step: eagerly; `cuda_graphs.GraphedStagedPrefill` replays it."""
+        embeds, write_pos = self.staged_prefill_inputs(rows, len(rows))
+        kv_len = max(r.start for r in rows) + 1
+        self.finish_staged_prefill(rows, self.staged_prefill_forward(embeds, write_pos, kv_len=kv_len))
+
+    def staged_prefill_inputs(self, rows: Sequence[PrefillRow], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy each row's cache positions [0, start) into staging row i and pad the pieces to `batch` rows:
+        (embeds [batch, 1, hidden], write positions [batch, 1]). Padding rows write to the staging cache's
+        last column."""
+        if not self.can_stage(rows) or batch > self.stage_rows:
+            raise ValueError("these prompt pieces do not fit the staging cache")
+        write_pos = [r.start for r in rows] + [self.stage_len] * (batch - len(rows))
+        for i, r in enumerate(rows):
+            if r.start:
+                self.stage_kv[:, :, i, :, : r.start].copy_(self.kv_cache[:, :, r.slot, :, : r.start])
+        embeds = torch.zeros(batch, 1, self.hidden_size, device=self.device, dtype=self.dtype)
+        embeds[: len(rows), 0] = torch.cat([r.embeds for r in rows])
+        return embeds, upload(write_pos, torch.int64, self.device).view(batch, 1)
+
+    def staged_prefill_forward(self, embeds: torch.Tensor, write_pos: torch.Tensor, *, kv_len: int) -> torch.Tensor:
+        """The talker's layers as the Triton decode step over staging rows [0, b), each token attending its
+        row's keys up to its own position; returns the last hidden states [b, hidden] after the final norm.
+        Fixed shapes for a given (b, kv_len) and no host synchronisation, so it can be captured."""
+        assert self._stage_counters is not None, "no staging cache"
+        b = embeds.shape[0]
+        x = embeds
+        with kernel_common.own_counters(self._stage_counters):  # not the frame step's: they may run together
+            for layer, ck, cv in zip(self.layers, self.stage_kv[0], self.stage_kv[1], strict=True):
+                x = decode_layer.decode_layer(layer, x, self.cos, self.sin, ck[:b], cv[:b], write_pos, kv_len, masked=True)
+        return self.norm(x[:, 0])
+
+    def finish_staged_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
+        """Copy the position each staging row wrote back to its slot (the slot holds the ones before), then
+        `finish_prefill`."""
+        for i, r in enumerate(rows):
+            self.kv_cache[:, :, r.slot, :, r.start].copy_(self.stage_kv[:, :, i, :, r.start])
+        self.finish_prefill(rows, last_hidden)
 
     @torch.inference_mode()
     def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:

@@ -52,6 +52,7 @@ class PromptShape:
     layout: TextLayout
     icl_codec_len: int | None = None  # codec_bos + reference frames, for an in-context clone
     ref_text_len: int = 0  # reference transcript tokens, for an in-context clone
+    icl_early_start: bool = False  # an in-context clone starts on its first token (`Voice.icl_early_start`)
 
     def body_ready(self, n_text: int, closed: bool) -> bool:
         """Whether the body can be built from `n_text` final target tokens."""
@@ -60,8 +61,21 @@ class PromptShape:
         if self.layout is TextLayout.PREFILL:
             return False
         if self.icl_codec_len is not None:
-            return self.ref_text_len + n_text >= self.icl_codec_len
+            covered = self.ref_text_len + n_text >= self.icl_codec_len
+            return covered or (self.icl_early_start and n_text >= 1)
         return n_text >= 1
+
+    def first_frame_ready(self, n_text: int, closed: bool) -> bool:
+        """Whether the text the first frame needs is there: the body's, and the text-track token that the
+        first frame's talker step reads (the official layouts put no padding there while text may follow)."""
+        if closed:
+            return True
+        if self.layout is TextLayout.PREFILL:
+            return False
+        if self.icl_codec_len is not None:
+            needed = max(0, self.icl_codec_len + 1 - self.ref_text_len)  # the reference span's, plus one
+            return n_text >= (min(needed, 1) if self.icl_early_start else needed)
+        return n_text >= 2  # the body's first token, then the second on the text track
 
 
 @dataclass(eq=False)
@@ -78,6 +92,7 @@ class RequestState:
     closed: bool = False
     slot: int | None = None
     admitted_at: float = 0.0
+    text_ready: float = 0.0  # when the core had the text its first frame needs (`PromptShape.first_frame_ready`)
     head_done: bool = False
     body_done: bool = False
     consumed: int = 0  # target tokens already placed in the prompt body or handed to the text track

@@ -65,6 +65,15 @@ class SpeechStream:
             ids = self._text.push(delta)
             self._owner._stream_text(self, ids)
 
+    def _push_whole(self, text: str) -> None:
+        """The whole text, checked by `open_stream`, as ONE message that also closes the input: the core never
+        sees a part of it, so a whole text always gets the prompt of the whole text (`Voice.icl_early_start`
+        starts on partial text)."""
+        with self._text_lock:
+            self._input_closed = True
+            ids = self._text.push(text)
+            self._owner._stream_close(self, ids + self._text.close())
+
     def close_input(self) -> None:
         """No more text: the utterance ends at the model's end token after the text.
 

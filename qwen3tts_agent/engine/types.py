@@ -64,11 +64,20 @@ class Voice:
     - Base: `prompt` (a cloned voice from `Engine.create_voice`), required.
     - CustomVoice: `speaker` (a named speaker), required; `instruct` on 1.7B only.
     - VoiceDesign: `instruct` (a description of the voice), may be empty.
+
+    `icl_early_start` (in-context clones only; no effect on other voices) lets a stream whose text arrives
+    in pieces start speaking on its first text token, instead of waiting until the text covers the
+    reference audio's span as the official prompt needs (one token per reference frame, less the reference
+    transcript's tokens: tens of LLM tokens for a few seconds of reference). The span is then laid out with the text known at that
+    moment and padding, and the rest of the text follows it one token per frame. That is NOT the official
+    prompt: what it does to the speech has not been judged (no real weights were available), so it is off
+    by default. A whole text given at once (`open_stream(text)`) always gets the official prompt.
     """
 
     speaker: str | None = None
     instruct: str | None = None
     prompt: VoicePrompt | None = None
+    icl_early_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,9 @@ class StreamResult:
     first_audio_latency: float | None = None  # submit -> first chunk ready, seconds
     wall_seconds: float = 0.0
     queue_wait: float = 0.0  # submit -> slot assigned, seconds
-    text_wait: float = 0.0  # slot assigned -> prompt body prefilled: the wait for enough text, seconds
+    # How long the first frame waited for text, seconds: from the stream holding a slot to the core having
+    # the text its first frame needs (0 when that text was there first; until the end if it never came)
+    text_wait: float = 0.0
     cancel_latency: float | None = None  # cancel() -> engine dropped the request, seconds
     finish_reason: FinishReason | None = None
     codes: list[list[int]] = field(default_factory=list)  # [frames][16], kept for parity tests

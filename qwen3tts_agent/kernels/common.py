@@ -10,9 +10,11 @@ the launches' dependency type, so a graphed frame overlaps its kernels the same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ INTERPRETED_SM_COUNT = 132
 TESTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OWN_COUNTERS = threading.local()  # `own_counters`: this thread's launches use these instead
 
 
 def jit(fn: Callable) -> Any:
@@ -130,12 +133,33 @@ def counters(device: torch.device) -> torch.Tensor:
     Allocated by the first (eager) launch on a device: launch each kernel once before capturing a graph, and
     do not run two launches that use them concurrently on different streams of one device.
     """
+    own = getattr(_OWN_COUNTERS, "buffer", None)
+    if own is not None:
+        return own
     found = _COUNTERS.get(device)
     if found is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("launch the kernels once outside CUDA-graph capture: they allocate their counters then")
         found = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return found
+
+
+def new_counters(device: torch.device) -> torch.Tensor:
+    """A set of arrival counters of its own, for `own_counters` (allocate it outside CUDA-graph capture)."""
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+@contextlib.contextmanager
+def own_counters(buffer: torch.Tensor) -> Iterator[None]:
+    """Launches made in this block, by this thread, use `buffer` (`new_counters`) as their arrival counters
+    instead of the device's: kernels that run beside others, on another CUDA stream, need a set of their
+    own. A graph captured in the block keeps using `buffer`."""
+    previous = getattr(_OWN_COUNTERS, "buffer", None)
+    _OWN_COUNTERS.buffer = buffer
+    try:
+        yield
+    finally:
+        _OWN_COUNTERS.buffer = previous
 
 
 # ------------------------------------------------------------------------------------------ Triton helpers

@@ -1,0 +1,66 @@
+"""One-token prompt pieces after a cached voice prefix run as the Triton decode step in the staging cache
+(`ModelRunner.staged_prefill`; graphed on a GPU: `GraphedStagedPrefill`) and give the codes of a whole-prompt
+prefill on the PyTorch layers, also while another stream's frames run beside them on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen3tts_agent import Engine, SamplingParams, Voice
+from qwen3tts_agent.engine.runner import TRITON_PATH
+from qwen3tts_agent.kernels import common, gemv
+from qwen3tts_agent.models.loading import load_official_model
+from tests.engine_helpers import official_model
+
+FRAMES = 3
+SMALL = dict(max_streams=2, max_seq_len=128)  # the interpreter copies every tensor a launch touches
+TEXTS = ["Hello there.", "A second one.", "Hello there."]
+
+
+@pytest.fixture(autouse=True)
+def few_programs(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """As in test_engine_kernels.py: under the interpreter, wide GEMV tiles and no K splits (it pays per
+    program); compiled, the GPU's own tiles."""
+    if device == "cpu":
+        monkeypatch.setattr(gemv, "FP32_BLOCK_K", 1024)
+        monkeypatch.setattr(gemv, "gemv_tiles", lambda *args: gemv.GemvTiles(block_n=256, block_k=1024))
+        monkeypatch.setattr(common, "INTERPRETED_SM_COUNT", 1)
+
+
+def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = "synthetic:tiny-customvoice"
+    official = official_model(spec) if device == "cpu" else load_official_model(spec, device=device, progress=False)
+    runs: dict[bool, list[list[list[int]]]] = {}
+    staged_rows: list[int] = []
+    for cached in (True, False):
+        engine = Engine(official, keep_codes=True, prefix_cache=cached, staged_prefill=cached, backend="torch", **SMALL)  # type: ignore[arg-type]
+        runner = engine.core.runner
+        finish = runner.finish_staged_prefill  # the eager path and the graphs both end here
+        monkeypatch.setattr(
+            runner, "finish_staged_prefill", lambda rows, hidden, finish=finish: (staged_rows.append(len(rows)), finish(rows, hidden))
+        )
+        try:
+            assert runner.kernel_paths["talker"] == TRITON_PATH
+            if device == "cuda":
+                engine.warmup(progress=False)  # captures the graphs, the staged prefill's among them
+                staged_rows.clear()
+            voice = Voice(speaker=engine.speakers[1])  # not the warm-up's
+            # The voice's first stream prefills its head (and stores it); it runs on beside the measured ones,
+            # so on a GPU its frames overlap their prompts.
+            beside = engine.open_stream(
+                "Someone else is talking.", voice=voice,
+                sampling=SamplingParams(seed=9, max_frames=40 if device == "cuda" else FRAMES + 1),
+            )
+            beside_chunks = beside.chunks(timeout=600)
+            next(beside_chunks)
+            runs[cached] = [
+                engine.synthesize_blocking(text, voice=voice, sampling=SamplingParams(seed=seed, max_frames=FRAMES))[1].codes
+                for seed, text in enumerate(TEXTS)
+            ]
+            list(beside_chunks)
+        finally:
+            engine.close()
+        assert (runner.stage_rows > 0) == cached
+    assert staged_rows == [1] * len(TEXTS), "the streams after the first copied the prefix and staged their token"
+    assert all(len(codes) == FRAMES for codes in runs[True])
+    assert runs[True] == runs[False]
