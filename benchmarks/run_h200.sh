@@ -12,7 +12,8 @@
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
 # TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat), prefix-ab (one
-# stream, first audio with the voice-prefix cache off and on, 0.6B and 1.7B).
+# stream, first audio with the voice-prefix cache off, on, and on with the staged prefill, 0.6B and 1.7B),
+# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -116,6 +117,11 @@ for stage in "$@"; do
         official -m benchmarks.bench_engine --model $m --prefix-ab --frames 25 --runs 20 $flags $pdl \
           --out "$out/prefix-ab-${m#synthetic:}.json" 2>&1 | tee -a "$out/prefix-ab.log"
       done ;;
+    startup)
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 \
+        --out "$out/startup.json" 2>&1 | tee "$out/startup.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

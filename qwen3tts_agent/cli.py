@@ -99,24 +99,47 @@ def _say(args: argparse.Namespace) -> int:
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="convert a checkpoint's weights for a CPU backend ahead of time (container images)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, local checkpoint folder, or synthetic:<spec>")
-    p.add_argument("--backend", default="int8", choices=("int8", "fp32"), help="the CPU backend's weight format")
+    p = sub.add_parser(
+        "prepare",
+        help="do a start's slow work ahead of time (container images, before a restart): fetch the weights, "
+             "convert them for a CPU backend, compile every GPU kernel into Triton's disk cache",
+    )
+    _add_model_args(p)
+    p.add_argument("--max-streams", default="auto",
+                   help="engine stream slots, as `serve` will be given them (the GPU kernels compiled depend on it)")
     p.set_defaults(func=_prepare)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Load the checkpoint on the CPU and write its converted graphs where `Engine.load` will find them
-    (beside the checkpoint, or the user cache when the checkpoint folder is read-only)."""
-    import torch
+    """Load the model and warm an engine up as `serve` would, so that what a start can keep on disk is there.
 
-    from .backends.cpu.store import prepare
-    from .models.loading import load_official_model
+    On a CPU backend that is the converted weights (beside the checkpoint, or the user cache when its folder is
+    read-only); on a GPU, Triton's compiled kernels (`TRITON_CACHE_DIR`, default ~/.triton/cache: point it into
+    the image to bake them in). CUDA graphs belong to a process: every start captures its own.
+    """
+    from .engine.engine import Engine
 
-    official = load_official_model(args.model, device="cpu", dtype=torch.float32)
+    max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
     started = time.perf_counter()
-    folder = prepare(official.model, args.backend)
-    print(f"{args.backend} weights of {args.model} ready in {folder} ({time.perf_counter() - started:.1f} s)")
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_streams=max_streams)
+    loaded = time.perf_counter()
+    try:
+        engine.warmup()
+    finally:
+        engine.close()
+    warmed = time.perf_counter()
+    print(f"{args.model} prepared on {engine.device} ({engine.backend} backend, {engine.info.max_streams} slots): "
+          f"weights loaded in {loaded - started:.1f} s, warm-up in {warmed - loaded:.1f} s")
+    if engine.backend in ("int8", "fp32"):
+        from .backends.cpu.store import conversion_folder
+
+        print(f"{engine.backend} weights in {conversion_folder(engine.model, engine.backend)}")
+    elif engine.device.type == "cuda":
+        from triton import knobs
+
+        print(f"compiled GPU kernels in {knobs.cache.dir} (TRITON_CACHE_DIR); CUDA graphs are captured at each start")
+    else:
+        print("the PyTorch backend on the CPU compiles nothing ahead of time: the weights are what was fetched")
     return 0
 
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..backends import resolve_backend
@@ -31,6 +30,7 @@ from ..errors import (
     UnsupportedFeatureError,
 )
 from ..models.compat import OfficialModule
+from ..reference import warmup_reference
 from .core import CoreConfig, CoreStats, EngineCore
 from .frontend import EngineFrontend, EngineStats, ModelInfo
 from .messages import CoreRequest
@@ -299,9 +299,7 @@ class Engine(EngineFrontend):
             core.call(lambda: core.capture_graphs(progress)).result()
         voice = Voice()
         if self.model_type == "base":
-            t = np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE
-            ref = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
-            voice = Voice(prompt=self.create_voice((ref, SAMPLE_RATE), "Warm up."))
+            voice = Voice(prompt=self.create_voice(warmup_reference(), "Warm up."))
         elif self.model_type == "custom_voice":
             voice = Voice(speaker=self.speakers[0])
         frames = sum(self.chunk_schedule) + self.chunk_schedule[-1]  # every chunk size of the schedule once

@@ -239,14 +239,18 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
+        started = time.perf_counter()
         engine = HostedEngine.load(
             launch.model, device=launch.device, dtype=launch.dtype, progress=False, **launch.engine_kwargs
         )
         assert isinstance(engine, HostedEngine)
+        loaded = time.perf_counter()
         if launch.warmup:
             engine.warmup(progress=False)
         server = CoreServer(engine, launch.address)
         server.start()
+        logger.info("engine core started in %.1f s: weights %.1f s, warm-up %.1f s",
+                    time.perf_counter() - started, loaded - started, time.perf_counter() - loaded)
     except BaseException as exc:
         logger.exception("the engine core failed to start")
         if ready is not None:

@@ -1,0 +1,118 @@
+"""Start-up: how long `qwen3tts-agent serve` takes from launch to `/ready`, cold, warm and after `prepare`.
+
+What a restart costs is what an operator feels when a container is replaced or a core process comes back. Each
+start runs `serve` as a user would (its own process, the engine core in another), polls `/ready` and stops
+it. The three cases differ only in Triton's disk cache (`TRITON_CACHE_DIR`, a fresh folder per case):
+
+- cold: the cache starts empty (a fresh container);
+- warm: a second start on the same cache (a restart on the same machine);
+- prepared: `qwen3tts-agent prepare` ran first on an empty cache (an image built with the kernels baked in),
+  then `serve` starts.
+
+The report gives the seconds to ready of each start and the core's own split (weights, warm-up) from its
+log. CUDA graphs are captured at every start: they belong to a process.
+
+    python -m benchmarks.startup --model synthetic:0.6b --max-streams 256 --out startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.load import free_port
+
+CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: weights ([\d.]+) s, warm-up ([\d.]+) s")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qwen3tts_agent.cli", *args]
+
+
+def _model_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--device", args.device, "--max-streams", str(args.max_streams)]
+
+
+def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path) -> dict[str, Any]:
+    """Launch `serve`, wait for `/ready`, stop it: seconds from launch to ready, and the core's split."""
+    port = free_port()
+    command = _cli("serve", *_model_args(args), "--port", str(port), "--log-level", "info")
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + args.timeout
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"serve exited with code {server.returncode}; see {log_path}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"serve was not ready within {args.timeout} s; see {log_path}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.1)
+            ready_s = time.perf_counter() - started
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    found = CORE_STARTED.search(log_path.read_text(errors="replace"))
+    core = None if found is None else dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
+    return {"ready_s": ready_s, "core": core}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {"model": args.model, "device": args.device, "max_streams": args.max_streams, "starts": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+
+        def env_with_cache(name: str) -> dict[str, str]:
+            cache = root / name
+            cache.mkdir()
+            return {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+
+        cold = env_with_cache("cold")
+        for case, env in (("cold", cold), ("warm", cold)):
+            report["starts"][case] = start_to_ready(args, env, root / f"{case}.log")
+            print(f"{case}: ready in {report['starts'][case]['ready_s']:.1f} s", flush=True)
+        prepared = env_with_cache("prepared")
+        started = time.perf_counter()
+        subprocess.run(_cli("prepare", *_model_args(args)), env=prepared, check=True, stdout=subprocess.DEVNULL)
+        report["prepare_s"] = time.perf_counter() - started
+        report["starts"]["prepared"] = start_to_ready(args, prepared, root / "prepared.log")
+        print(f"prepare: {report['prepare_s']:.1f} s, then ready in {report['starts']['prepared']['ready_s']:.1f} s",
+              flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:0.6b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-streams", default="auto")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
+    parser.add_argument("--out", type=Path, default=Path("startup.json"))
+    args = parser.parse_args(argv)
+    report = run(args)
+    args.out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
