@@ -180,12 +180,14 @@ def create_app(
     *,
     engine: EngineFrontend | None = None,
     engine_factory: Callable[[], EngineFrontend] | None = None,
+    ready_wait_s: float = 0.0,
 ) -> FastAPI:
     """Build the app around one engine: an instance the caller owns, or a factory run (and closed) by the app.
 
-    With a factory the server answers /health at once and /ready only after load and warm-up.
+    With a factory the server answers /health at once and /ready only after load and warm-up; with
+    `ready_wait_s` it first waits up to that long for readiness before taking connections (`ServerState.lifespan`).
     """
-    state = ServerState(config, engine=engine, engine_factory=engine_factory)
+    state = ServerState(config, engine=engine, engine_factory=engine_factory, ready_wait_s=ready_wait_s)
     app = FastAPI(title="qwen3tts-agent", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 

@@ -25,6 +25,9 @@ from .config import ServerConfig
 logger = logging.getLogger(__name__)
 
 SETTINGS_ENV = "QWEN3TTS_SERVE_SETTINGS"  # how the supervisor hands the settings to its API workers
+# An API worker takes connections once it is ready, or after this long (then answering 503 until it is): a
+# port shared by several workers hands no client to one still connecting to the core (ServerState.lifespan).
+WORKER_READY_WAIT_S = 60.0
 
 
 def default_core_address() -> str:
@@ -51,7 +54,9 @@ def worker_app() -> Any:
     settings = json.loads(os.environ[SETTINGS_ENV])
     config = _config_from_json(settings["config"])
     address = settings["core_address"]
-    return create_app(config, engine_factory=lambda: EngineClient.connect(address, timeout=None))
+    return create_app(
+        config, engine_factory=lambda: EngineClient.connect(address, timeout=None), ready_wait_s=WORKER_READY_WAIT_S
+    )
 
 
 def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_options: dict[str, Any]) -> int:

@@ -51,11 +51,13 @@ class ServerState:
         *,
         engine: EngineFrontend | None = None,
         engine_factory: Callable[[], EngineFrontend] | None = None,
+        ready_wait_s: float = 0.0,
     ) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine or engine_factory")
         config.validate()
         self.config = config
+        self._ready_wait_s = ready_wait_s
         self._engine = engine
         self._engine_factory = engine_factory
         self.metrics = ServerMetrics(lambda: self._engine.stats() if self.ready and self._engine is not None else None)
@@ -75,8 +77,15 @@ class ServerState:
 
     @asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
-        """Start in the background so /health answers while the model loads; close an engine we loaded."""
+        """Start in the background so /health answers while the model loads; close an engine we loaded.
+
+        With `ready_wait_s`, the app waits that long for readiness before it serves: uvicorn takes connections
+        only once the lifespan has started, so a worker of several sharing a port (`serve --workers N`) is not
+        handed clients while it is still starting, yet serves /health (and 503s) if its start takes longer.
+        """
         startup = asyncio.create_task(self._start(), name="qwen3tts-startup")
+        if self._ready_wait_s > 0:
+            await asyncio.wait({startup}, timeout=self._ready_wait_s)
         try:
             yield
         finally:
