@@ -14,7 +14,7 @@ from tests.engine_helpers import official_model
 
 FRAMES = 3
 SMALL = dict(max_streams=2, max_seq_len=128)  # the interpreter copies every tensor a launch touches
-TEXTS = ["Hello there.", "A second one.", "Hello there."]
+TEXTS = ["Hello there.", "A second one."]
 
 
 @pytest.fixture(autouse=True)
