@@ -23,7 +23,9 @@ def test_serve_starts_cold_warm_and_prepared_and_reports_its_split(tmp_path: Pat
         core = start["core"]
         assert core is not None, f"{case}: the core logged no start-up line"
         assert core["weights_s"] > 0 and core["warmup_s"] > 0, case
-        assert core["weights_s"] + core["warmup_s"] <= core["total_s"] + 0.1 <= start["ready_s"] + 0.1, case
+        # the log gives each figure to 0.1 s, so each is off by up to 0.05 s
+        assert core["weights_s"] + core["warmup_s"] <= core["total_s"] + 0.15, case
+        assert core["total_s"] <= start["ready_s"] + 0.05, case
 
 
 def test_prepare_on_the_cpu_with_the_pytorch_backend_says_there_is_nothing_to_compile(
