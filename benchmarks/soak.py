@@ -3,7 +3,9 @@
 The server runs in a child process (uvicorn on loopback, as `qwen3tts-agent serve` runs it), so the memory
 measured is the server's alone; the clients here are real websockets and httpx clients doing what clients do:
 whole utterances streamed in as text deltas, cancels mid-stream, disconnects mid-stream, bad messages,
-whitespace-only utterances, oversize messages, and OpenAI-style HTTP requests, good and bad.
+whitespace-only utterances, oversize messages, and OpenAI-style HTTP requests, good and bad. A request the
+server refuses as `busy` (a GPU engine sheds new streams while it runs behind real time) is counted with the
+errors, and an HTTP one is retried shortly, as a client would.
 
 Checks (each in the report, all must hold): the server's RSS grows less than `--max-rss-growth-mb` over the
 second half of the measured run (a leak grows with every unit; the allocator's arenas grow in steps for the
@@ -51,6 +53,7 @@ KINDS = {  # unit of work -> share of the run
     "http": 0.08,
     "http_bad": 0.04,
 }
+BUSY_RETRIES = 100  # tries of an HTTP request the server refuses as busy (engine behind real time, queue full)
 WORDS = ("hello", "there", "how", "can", "I", "help", "you", "today", "the", "weather", "is", "lovely", "and",
          "the", "train", "leaves", "at", "nine")
 
@@ -240,7 +243,8 @@ class Worker:
         await ws.send(json.dumps({"type": "text", "text": "This answer goes on until the caller cuts in."}))
         await ws.send(json.dumps({"type": "flush"}))
         self.tally.ws_opened += 1
-        await self._first_audio(ws)
+        if not await self._first_audio(ws):
+            return
         sent = time.perf_counter()
         await ws.send(json.dumps({"type": "cancel"}))
         self.tally.cancels_client += 1
@@ -252,11 +256,12 @@ class Worker:
 
     async def disconnect(self, rng: random.Random) -> None:
         ws = await self.long_session(rng)
-        self.long = None
         await ws.send(json.dumps({"type": "text", "text": "Nobody will hear the end of this."}))
         await ws.send(json.dumps({"type": "flush"}))
         self.tally.ws_opened += 1
-        await self._first_audio(ws)
+        if not await self._first_audio(ws):
+            return
+        self.long = None
         ws.transport.abort()  # no close frame: the TCP connection just drops
         self.tally.ws_lost += 1
         self.tally.cancels_disconnect += 1
@@ -308,7 +313,12 @@ class Worker:
             "sampling": {"max_frames": self.options.frames},
         }
         async with httpx.AsyncClient(base_url=self.http_url, headers=AUTH, timeout=120) as client:
-            response = await client.post("/v1/audio/speech", json=body)
+            for _ in range(BUSY_RETRIES):
+                response = await client.post("/v1/audio/speech", json=body)
+                if response.status_code != 503 or response.json()["error"]["code"] != "busy":
+                    break
+                self.tally.errors["busy"] += 1  # what a client does with busy: retry shortly
+                await asyncio.sleep(rng.uniform(0.05, 0.3))
         assert response.status_code == 200 and response.content, response.text
         self.tally.http_ok += 1
 
@@ -342,10 +352,19 @@ class Worker:
             if message["type"] == "done":
                 return
 
-    async def _first_audio(self, ws: Any) -> None:
+    async def _first_audio(self, ws: Any) -> bool:
+        """Wait for the utterance's first audio; False if the server refused it as busy (counted, as a
+        client that retries later would)."""
         message = json.loads(await asyncio.wait_for(ws.recv(), 120))
-        assert message["type"] == "audio", message
-        await asyncio.wait_for(ws.recv(), 120)
+        if message["type"] == "audio":
+            await asyncio.wait_for(ws.recv(), 120)
+            return True
+        assert message["type"] == "error" and message["code"] == "busy", message
+        self.tally.errors["busy"] += 1
+        async for later in self._until_done(ws):
+            if later.get("type") == "done":
+                self._record_done(later)
+        return False
 
     def _record_done(self, message: dict[str, Any]) -> None:
         reason = message["finish_reason"]
@@ -412,7 +431,11 @@ def checks(
     for reason in sorted(set(tally.ws_done) | {"cancelled"}):
         expected = tally.ws_done[reason] + (tally.ws_lost if reason == "cancelled" else 0)
         check(f"ws utterances {reason}", expected, metric_sum(metrics, utterances, endpoint="ws", finish_reason=reason))
-    check("http utterances", tally.http_ok, metric_sum(metrics, utterances, endpoint="http"))
+    # an HTTP request refused as busy counts as an utterance ended by an error when the engine refused it, and
+    # as none when the admission queue did; both count as a busy error
+    http_served = metric_sum(metrics, utterances, endpoint="http") - metric_sum(
+        metrics, utterances, endpoint="http", finish_reason="error")
+    check("http utterances served", tally.http_ok, http_served)
     for code in sorted(set(tally.errors)):
         check(f"errors {code}", tally.errors[code], metric_sum(metrics, "qwen3tts_errors_total", code=code))
     check("errors, all codes", sum(tally.errors.values()), metric_sum(metrics, "qwen3tts_errors_total"))

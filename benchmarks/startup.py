@@ -43,6 +43,10 @@ def _model_args(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--device", args.device, "--max-streams", str(args.max_streams)]
 
 
+def _tail(log_path: Path, lines: int = 30) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path) -> dict[str, Any]:
     """Launch `serve`, wait for `/ready`, stop it: seconds from launch to ready, and the core's split."""
     port = free_port()
@@ -54,9 +58,9 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
             deadline = time.monotonic() + args.timeout
             while True:
                 if server.poll() is not None:
-                    raise RuntimeError(f"serve exited with code {server.returncode}; see {log_path}")
+                    raise RuntimeError(f"serve exited with code {server.returncode}:\n{_tail(log_path)}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"serve was not ready within {args.timeout} s; see {log_path}")
+                    raise RuntimeError(f"serve was not ready within {args.timeout} s:\n{_tail(log_path)}")
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
                         if response.status == 200:
@@ -79,6 +83,8 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"model": args.model, "device": args.device, "max_streams": args.max_streams, "starts": {}}
+    logs = args.out.with_suffix("")  # each start's log: next to the report, kept
+    logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
 
@@ -89,13 +95,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         cold = env_with_cache("cold")
         for case, env in (("cold", cold), ("warm", cold)):
-            report["starts"][case] = start_to_ready(args, env, root / f"{case}.log")
-            print(f"{case}: ready in {report['starts'][case]['ready_s']:.1f} s", flush=True)
+            report["starts"][case] = start_to_ready(args, env, logs / f"{case}.log")
+            print(f"{case}: ready in {report['starts'][case]['ready_s']:.1f} s (core: {report['starts'][case]['core']})",
+                  flush=True)
         prepared = env_with_cache("prepared")
         started = time.perf_counter()
         subprocess.run(_cli("prepare", *_model_args(args)), env=prepared, check=True, stdout=subprocess.DEVNULL)
         report["prepare_s"] = time.perf_counter() - started
-        report["starts"]["prepared"] = start_to_ready(args, prepared, root / "prepared.log")
+        report["starts"]["prepared"] = start_to_ready(args, prepared, logs / "prepared.log")
         print(f"prepare: {report['prepare_s']:.1f} s, then ready in {report['starts']['prepared']['ready_s']:.1f} s",
               flush=True)
     return report

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -88,11 +91,12 @@ def _serve(*extra: str) -> subprocess.Popen[bytes]:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # the whole group may be gone already
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture()
@@ -175,5 +179,32 @@ async def test_a_killed_api_worker_loses_no_other_workers_streams() -> None:
         again = await _utterance(port, frames=3)
         assert (await _audio_then(again))[-1]["finish_reason"] == "max_frames"
         await again.close()
+    finally:
+        _stop(process)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_exits_with_the_reason_when_its_core_cannot_start(workers: str, tmp_path) -> None:
+    """A core that fails to start (here: no such model folder) ends `serve` with code 1 and the reason, not a
+    hang on workers waiting for a core that never serves, nor death by the supervisor's own signal."""
+    command = [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", str(tmp_path / "no-such-model"),
+               "--port", str(_free_port()), "--workers", workers, "--log-level", "warning"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "the engine core failed to start" in result.stderr and "does not exist" in result.stderr
+    assert not any(Path(tempfile.gettempdir()).glob("qwen3tts-core-*.failed")), "the failure note was left behind"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_the_core_never_outlives_its_supervisor(sig: signal.Signals) -> None:
+    """A signal to the supervisor alone (an operator's `kill`, an OOM kill) also ends the engine core, which
+    would otherwise hold the device; SIGTERM is a graceful stop (exit 0)."""
+    process = _serve()
+    try:
+        _wait_for(process.port, 200, STARTUP_S)  # type: ignore[attr-defined]
+        core = _core_process(process)
+        os.kill(process.pid, sig)
+        assert process.wait(60) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        core.wait(30)  # psutil.TimeoutExpired if the core lives on
     finally:
         _stop(process)

@@ -44,6 +44,8 @@ STATS_INTERVAL_S = 0.25
 GIL_SWITCH_INTERVAL_S = 0.0005
 CLIENT_SILENCE_S = 5.0  # a client not heard from for this long is gone: its requests are aborted
 EXIT_CORE_DIED = 70
+PARENT_POLL_S = 0.5  # how often the core checks that its supervisor is alive
+ORPHAN_EXIT_S = 10.0  # an orphaned core that has not stopped cleanly this long after noticing exits outright
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,19 @@ class CoreServer:
             self.engine.core.submit(AbortRequest(rid))
 
 
+def _stop_with_parent(stop: threading.Event) -> None:
+    """Stop once the process that started this one is gone. A supervisor killed outright (SIGKILL, an OOM
+    kill) cannot stop its core, and an orphaned core would hold the device, its memory and its slots until
+    someone found it. Exit outright if the clean stop takes long (the core may still be loading)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    logger.warning("the supervisor (pid %d) is gone: stopping", parent)
+    stop.set()
+    time.sleep(ORPHAN_EXIT_S)
+    os._exit(0)
+
+
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
@@ -238,6 +253,7 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=_stop_with_parent, args=(stop,), name="qwen3tts-core-parent", daemon=True).start()
     try:
         started = time.perf_counter()
         engine = HostedEngine.load(

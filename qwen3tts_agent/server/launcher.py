@@ -28,6 +28,7 @@ SETTINGS_ENV = "QWEN3TTS_SERVE_SETTINGS"  # how the supervisor hands the setting
 # An API worker takes connections once it is ready, or after this long (then answering 503 until it is): a
 # port shared by several workers hands no client to one still connecting to the core (ServerState.lifespan).
 WORKER_READY_WAIT_S = 60.0
+CORE_POLL_S = 0.5  # how often a worker waiting for the core checks whether its start failed
 
 
 def default_core_address() -> str:
@@ -44,18 +45,36 @@ def _config_from_json(data: dict[str, Any]) -> ServerConfig:
     return ServerConfig(**values)
 
 
+def _core_failure_file() -> Path:
+    """Where the supervisor writes why the engine core failed to start, for its API workers to read."""
+    return Path(tempfile.gettempdir()) / f"qwen3tts-core-{os.getpid()}.failed"
+
+
+def connect_to_core(address: str, failure_file: Path) -> Any:
+    """An `EngineClient` of the core once it serves; EngineNotReadyError as soon as its start failed (the
+    supervisor wrote `failure_file`), so a worker stops waiting and `serve` exits instead of hanging."""
+    from ..engine.client import EngineClient
+    from ..errors import EngineNotReadyError
+
+    while True:
+        try:
+            return EngineClient.connect(address, timeout=CORE_POLL_S)
+        except EngineNotReadyError:
+            if failure_file.exists():
+                raise EngineNotReadyError(failure_file.read_text()) from None
+
+
 def worker_app() -> Any:
     """The app of one API worker (a uvicorn factory): the server over an `EngineClient` of the core."""
-    from ..engine.client import EngineClient
     from .app import create_app
 
     # the event loop and the engine client's I/O thread share the interpreter lock: hand it over quickly
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     settings = json.loads(os.environ[SETTINGS_ENV])
     config = _config_from_json(settings["config"])
-    address = settings["core_address"]
+    address, failure_file = settings["core_address"], Path(settings["core_failure_file"])
     return create_app(
-        config, engine_factory=lambda: EngineClient.connect(address, timeout=None), ready_wait_s=WORKER_READY_WAIT_S
+        config, engine_factory=lambda: connect_to_core(address, failure_file), ready_wait_s=WORKER_READY_WAIT_S
     )
 
 
@@ -65,22 +84,41 @@ def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_opt
     from uvicorn.supervisors import Multiprocess
 
     failures: list[str] = []
-
-    def core_failed(message: str) -> None:
-        failures.append(message)
-        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn (single or multi-process) shuts down on it
-
-    core = EngineProcess(launch)
-    core.start(wait=False, on_failure=core_failed)
-    os.environ[SETTINGS_ENV] = json.dumps({"config": _config_to_json(config), "core_address": launch.address})
+    failure_file = _core_failure_file()
+    failure_file.unlink(missing_ok=True)
+    os.environ[SETTINGS_ENV] = json.dumps(
+        {"config": _config_to_json(config), "core_address": launch.address, "core_failure_file": str(failure_file)}
+    )
     options = {**uvicorn_options, "factory": True, "workers": workers}
     server_config = uvicorn.Config("qwen3tts_agent.server.launcher:worker_app", **options)
     server = uvicorn.Server(server_config)
-    try:
-        if workers > 1:
-            Multiprocess(server_config, sockets=[server_config.bind_socket()]).run()  # restarts dead workers
+    supervisor = Multiprocess(server_config, sockets=[server_config.bind_socket()]) if workers > 1 else None
+
+    def core_failed(message: str) -> None:
+        # uvicorn's own exit flags, not a signal: a SIGTERM that uvicorn re-raises after its shutdown would
+        # kill this process before it stops the core and returns 1
+        failures.append(message)
+        failure_file.write_text(message)  # the workers stop waiting for the core (connect_to_core)
+        if supervisor is not None:
+            supervisor.should_exit.set()
         else:
+            server.should_exit = True
+
+    def stop_on_signal(sig: int, _frame: Any) -> None:
+        # uvicorn (one worker) restores this handler after its graceful shutdown and re-raises the signal into
+        # it: the default one would end this process there, leaving the core running without its supervisor
+        server.should_exit = True
+
+    core = EngineProcess(launch)
+    core.start(wait=False, on_failure=core_failed)
+    try:
+        if supervisor is not None:
+            supervisor.run()  # restarts dead workers; takes SIGINT/SIGTERM itself and returns
+        else:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, stop_on_signal)
             server.run()
     finally:
         core.stop()
+        failure_file.unlink(missing_ok=True)
     return 1 if failures else 0

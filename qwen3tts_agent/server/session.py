@@ -72,6 +72,7 @@ class _Utterance:
     cancelled: bool = False
     ended: bool = False  # audio finished (eos, max_frames, error): later text until the flush is dropped
     counted: bool = False  # in the utterances metric, by its finish reason (each utterance exactly once)
+    cut_short: bool = False  # its stream was cancelled because the client went away mid-audio
     stream: Any = None
     waiter: asyncio.Future[float] | None = None  # its wait for a synthesis slot, so a cancel can end it
     speakable: asyncio.Event = field(default_factory=asyncio.Event)  # words, a flush or a cancel arrived
@@ -364,8 +365,10 @@ class StreamSession:
                     seq += 1
         except StreamCancelledError:
             pass
-        except _Gone:
+        except _Gone as gone:
             stream.cancel()  # at once, before the slot is released: nobody will hear the rest
+            # the teardown counts it with the cancels by disconnect (a stalled client's are counted as it closes)
+            utt.cut_short = not isinstance(gone, _Stalled)
             raise
         except Exception as exc:
             logger.exception("session %s utterance %d failed", self.session_id, utt.uid)
@@ -540,13 +543,15 @@ class StreamSession:
         self._gone = True
         if self._stalled:
             await self._close_stalled()
-        interrupted = [u for u in self._queue if u.stream is not None and not u.stream.done]
+        # streams the client's departure cut short: still running, or cancelled as a send to it failed
+        interrupted = [u for u in self._queue if u.stream is not None and (u.cut_short or not u.stream.done)]
         for utt in self._queue:
             utt.cancelled = True
             utt.update()
         for utt in interrupted:
             try:
-                await utt.stream.acancel()
+                if not utt.stream.done:
+                    await utt.stream.acancel()
             except Exception:
                 logger.exception("cancelling utterance %d of session %s", utt.uid, self.session_id)
             self._metrics.cancels.labels(self._end_reason).inc()

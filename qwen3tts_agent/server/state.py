@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.types import SamplingParams, Voice
 from ..reference import demo_reference
@@ -40,6 +42,39 @@ class SynthesisSettings:
     sampling: SamplingParams
     audio_format: AudioFormat
     chunk_schedule: tuple[int, ...] | None
+
+
+
+T = TypeVar("T")
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread of its own. Unlike `asyncio.to_thread`, a call still blocked when its task is
+    cancelled (an engine factory waiting for a core that never serves) does not hold up the process's exit:
+    `asyncio.run` joins the default executor's threads, not this one."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]  # fn returned it
+
+    def run() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the result
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="qwen3tts-engine-start", daemon=True).start()
+    return await future
 
 
 class ServerState:
@@ -98,7 +133,7 @@ class ServerState:
         try:
             if self._engine is None:
                 assert self._engine_factory is not None
-                self._engine = await asyncio.to_thread(self._engine_factory)
+                self._engine = await _in_daemon_thread(self._engine_factory)
             engine = self._engine
             if self.config.warmup:
                 await asyncio.to_thread(engine.warmup)

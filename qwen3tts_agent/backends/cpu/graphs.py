@@ -25,6 +25,10 @@ from ...models.compat import OfficialModule
 
 WEIGHT_FORMATS = ("int8", "fp32")
 MS_DOMAIN = "com.microsoft"
+OPSET = 17
+# The IR version of opset 17's release (onnx 1.13), not the installed onnx package's newest: an onnxruntime
+# older than that package refuses a newer IR ("Unsupported model IR version"), whatever the opset.
+IR_VERSION = 8
 INT8_BLOCK = 128  # weights per scale along the input dimension (MatMulNBits block_size)
 
 
@@ -208,5 +212,5 @@ def linear_graph(weight: torch.Tensor, weight_format: str) -> Any:
 def _model(graph: Any) -> Any:
     from onnx import helper
 
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets, producer_name="qwen3tts-agent")
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, producer_name="qwen3tts-agent", ir_version=IR_VERSION)
