@@ -16,6 +16,17 @@ from .connections import connection_protocols
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve` on the main CLI's sub-parsers."""
     p = subparsers.add_parser("serve", help="run the streaming TTS server (WebSocket + OpenAI-compatible HTTP)")
+    add_server_arguments(p)
+    p.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="run the engine's step loop in a process of its own (default; restarted if it dies) "
+                   "or on a thread of the server's process")
+    p.add_argument("--workers", type=int, default=1, help="API worker processes sharing the port (with --engine-core process)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, engine and server options `serve` shares with `serve-ray` (qwen3tts_agent.ray)."""
     d = ServerConfig()
     p.add_argument("--model", required=True, help="hub id, local checkpoint folder, or synthetic:<size>[-<type>]")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -52,22 +63,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
                    help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch + Triton on a GPU), torch, "
                    "int8, fp32; see docs/cpu-backend.md")
-    p.add_argument("--engine-core", choices=["process", "thread"], default="process",
-                   help="run the engine's step loop in a process of its own (default; restarted if it dies) "
-                   "or on a thread of the server's process")
-    p.add_argument("--workers", type=int, default=1, help="API worker processes sharing the port (with --engine-core process)")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=run_serve)
-    return p
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted; 2 for bad settings, 1 if the model failed to load."""
-    from ..engine.engine import Engine
-    from .app import create_app
-
-    config = ServerConfig(
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the options of `add_server_arguments` describe (not validated yet)."""
+    return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -90,6 +92,14 @@ def run_serve(args: argparse.Namespace) -> int:
         keep_alive_timeout_s=args.keep_alive_timeout,
         warmup=not args.no_warmup,
     )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 2 for bad settings, 1 if the model failed to load."""
+    from ..engine.engine import Engine
+    from .app import create_app
+
+    config = server_config_from_args(args)
     try:
         config.validate()
         max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)

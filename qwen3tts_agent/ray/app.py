@@ -1,0 +1,62 @@
+"""The Serve application: engine replicas behind Serve's proxies, with a metrics hub beside them.
+
+`build_app(settings)` returns the application for `serve.run`; `app_builder` is the same for a Serve
+config file (`import_path: qwen3tts_agent.ray.app:app_builder`, the settings as `args`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from .metrics import MetricsHub
+from .replica import EngineReplica
+from .settings import RayServeSettings
+
+ROUTER_CLASS = "qwen3tts_agent.ray.router:LoadAwareRouter"
+ENGINE_DEPLOYMENT = "EngineReplica"
+METRICS_DEPLOYMENT = "MetricsHub"
+
+
+def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
+    """`serve.deployment` options of the engine replicas (see RayServeSettings for each)."""
+    options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
+        "max_ongoing_requests": settings.replica_ongoing_limit,
+        "max_queued_requests": settings.max_queued_requests,
+        "health_check_period_s": settings.health_check_period_s,
+        "health_check_timeout_s": settings.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_routing_stats_period_s=settings.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 10 * settings.routing_stats_period_s),
+        ),
+    }
+    if settings.num_replicas is not None:
+        options["num_replicas"] = settings.num_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": settings.min_replicas,
+            "initial_replicas": max(1, settings.min_replicas),
+            "max_replicas": settings.max_replicas,
+            "target_ongoing_requests": settings.target_ongoing_requests,
+        }
+    return options
+
+
+def build_app(settings: RayServeSettings) -> Application:
+    """The application: `EngineReplica` as the ingress, `MetricsHub` (one replica, no resources) bound to it."""
+    settings.validate()
+    hub = serve.deployment(MetricsHub, name=METRICS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
+    engines = serve.deployment(serve.ingress()(EngineReplica), **deployment_options(settings))
+    return engines.bind(settings, hub.bind())
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """For `serve run` / `serve deploy` with a config file: `args` are RayServeSettings' fields."""
+    return build_app(RayServeSettings.from_dict(args))

@@ -1,0 +1,123 @@
+"""What one Serve application of engine replicas is made of: the model, the server's limits, and the scaling.
+
+One frozen dataclass, handed to every replica as it is (Ray pickles it) and built from the `serve-ray`
+options or from the `args` of a Serve config file (`from_dict`), so both start-ups mean the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..server.config import ServerConfig
+
+ENGINE_CORES = ("thread", "process")
+
+
+@dataclass(frozen=True)
+class RayServeSettings:
+    """Everything `build_app` needs.
+
+    Args:
+        model: hub id, local checkpoint folder or `synthetic:<spec>`, loaded by every replica.
+        server: the server's limits and auth, as for `serve` (host and port are the Serve proxies').
+        device, dtype: as for `serve`; a GPU replica sees only its own GPU, so "auto" means that one.
+        max_streams: engine stream slots per replica ("auto": what the device holds).
+        engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
+            a child process of the replica (`engine/process.py`), so the step loop shares no interpreter lock
+            with the replica's HTTP/WebSocket handling.
+        torch_threads: torch's intra-op threads per replica (None: torch's default).
+        num_replicas: a fixed number of replicas, or None to autoscale between `min_replicas` and
+            `max_replicas` on ongoing requests (sessions and HTTP requests) per replica.
+        target_ongoing_requests: the autoscaler's target of ongoing requests per replica.
+        num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster).
+        max_ongoing_requests: Serve's cap on a replica's ongoing requests (None: room for every session
+            and queued utterance the server's own limits allow, so those limits answer first, in their shape).
+        max_queued_requests: requests a Serve proxy holds while every replica is at `max_ongoing_requests`;
+            beyond it the proxy answers 503 `busy` (-1: no limit).
+        health_check_period_s, health_check_timeout_s: Serve's health checks (`EngineReplica.check_health`).
+        routing_stats_period_s: how often each replica's load (free slots, queue) reaches the routers.
+        graceful_shutdown_timeout_s: how long a replica being stopped (scale-down, redeploy) waits for its
+            sessions before they are cut.
+        app_name, route_prefix: the Serve application's name and the path it serves under.
+    """
+
+    model: str
+    server: ServerConfig = field(default_factory=ServerConfig)
+    device: str = "auto"
+    dtype: str = "auto"
+    max_streams: int | str = "auto"
+    engine_core: str = "thread"
+    torch_threads: int | None = None
+    num_replicas: int | None = 1
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 16.0
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+    max_ongoing_requests: int | None = None
+    max_queued_requests: int = 64
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+    routing_stats_period_s: float = 0.5
+    graceful_shutdown_timeout_s: float = 20.0
+    app_name: str = "qwen3tts"
+    route_prefix: str = "/"
+
+    def validate(self) -> None:
+        """Refuse what cannot run, with the option's name in the message (the server's own checks included)."""
+        self.server.validate()
+        if self.engine_core not in ENGINE_CORES:
+            raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {self.engine_core!r}")
+        if self.max_streams != "auto" and (not isinstance(self.max_streams, int) or self.max_streams < 1):
+            raise ValueError(f"max_streams must be a positive number or 'auto', got {self.max_streams!r}")
+        if self.num_replicas is not None and self.num_replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.num_replicas}")
+        if self.num_replicas is None and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
+            raise ValueError(
+                f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, got {self.min_replicas}..{self.max_replicas}"
+            )
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ValueError("num_gpus and num_cpus must not be negative")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}")
+        for name in ("health_check_period_s", "health_check_timeout_s", "routing_stats_period_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def replica_ongoing_limit(self) -> int:
+        """Serve's per-replica cap: every session the server admits plus its queue of HTTP utterances, and
+        room for the small requests (voices, metrics, readiness), so the server's limits bite first."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        return self.server.max_sessions + self.server.max_queued + 64
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RayServeSettings:
+        """From a Serve config's `args` (plain YAML values): unknown keys are refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}; known: {sorted(known)}")
+        server_values = dict(values.get("server") or {})
+        server_known = {f.name for f in fields(ServerConfig)}
+        bad = sorted(set(server_values) - server_known)
+        if bad:
+            raise ValueError(f"unknown server settings {bad}; known: {sorted(server_known)}")
+        for key in ("voices_dir", "default_voice_audio"):
+            if server_values.get(key) is not None:
+                server_values[key] = Path(server_values[key]).expanduser()
+        server_values.setdefault("model_name", values.get("model", "qwen3-tts"))
+        return cls(**{**values, "server": ServerConfig(**server_values)})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The inverse of `from_dict` (paths as strings), e.g. to write a Serve config."""
+        values = asdict(self)
+        values["server"] = {k: str(v) if isinstance(v, Path) else v for k, v in values["server"].items()}
+        return values

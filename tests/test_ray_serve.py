@@ -1,0 +1,276 @@
+"""The Serve application on a local Ray cluster: two replicas of the tiny engine behind one proxy.
+
+Real parts throughout: a Ray cluster started here, Serve's proxy on a loopback port, the replicas'
+engines, and `websockets`/`httpx` clients. One application serves every test of the module (a Ray start
+and two replica starts are most of its time); the test that kills a replica runs last and waits for
+Serve to bring it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, build_app
+from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from qwen3tts_agent.ray.replica import REPLICA_HEADER
+from qwen3tts_agent.ray.settings import RayServeSettings
+from qwen3tts_agent.server.config import ServerConfig
+
+APP = "qwen3tts-test"
+API_KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SLOTS = 2  # synthesis slots per replica: small, so "full" is cheap to reach
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # read by the proxy this cluster starts
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    settings = RayServeSettings(
+        model="synthetic:tiny",
+        server=ServerConfig(
+            api_key=API_KEY, model_name="synthetic:tiny", voices_dir=tmp_path_factory.mktemp("voices"),
+            max_frames=2000, max_active_streams=SLOTS, max_queued=0, idle_timeout_s=60.0,
+        ),
+        num_replicas=2, num_cpus=0.5, torch_threads=1, max_streams=4,
+        health_check_period_s=1.0, routing_stats_period_s=0.2, app_name=APP,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(settings), name=APP, route_prefix="/")
+        yield f"127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.pop(PROXY_CALLBACK_ENV, None)
+
+
+class Session:
+    """One WebSocket session and the replica that took it."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.replica = ws.response.headers[REPLICA_HEADER]
+
+    @classmethod
+    async def open(cls, url: str, **start: Any) -> Session:
+        ws = await connect(f"ws://{url}/v1/stream", additional_headers=AUTH, max_size=None)
+        session = cls(ws)
+        await ws.send(json.dumps({"type": "start", "sampling": {"ignore_eos": True, "seed": 7, **start}}))
+        ready = json.loads(await ws.recv())
+        assert ready["type"] == "ready", ready
+        return session
+
+    async def say(self, text: str, *, flush: bool = True) -> None:
+        await self.ws.send(json.dumps({"type": "text", "text": text}))
+        if flush:
+            await self.ws.send(json.dumps({"type": "flush"}))
+
+    async def until(self, kind: str, timeout: float = 60.0) -> tuple[dict[str, Any], int]:
+        """Messages up to the first of `kind`: (that message, PCM bytes received before it)."""
+        pcm = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            message = await asyncio.wait_for(self.ws.recv(), max(0.0, deadline - time.monotonic()))
+            if isinstance(message, bytes):
+                pcm += len(message)
+                continue
+            body = json.loads(message)
+            if body["type"] == kind:
+                return body, pcm
+            assert body["type"] == "audio", body
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+def metric_values(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    found: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def per_replica(text: str, name: str, **labels: str) -> dict[str, float]:
+    """`name`'s value per replica in `/metrics/replicas`, over the samples matching `labels`."""
+    totals: dict[str, float] = {}
+    for key, value in metric_values(text, name).items():
+        d = dict(key)
+        if all(d.get(k) == v for k, v in labels.items()):
+            totals[d["replica"]] = totals.get(d["replica"], 0.0) + value
+    return totals
+
+
+def scrape(url: str, path: str = "/metrics") -> str:
+    response = httpx.get(f"http://{url}{path}", headers=AUTH, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#"
+
+
+def replicas_running() -> set[str]:
+    """Ids of the engine replicas alive, once Serve counts every one of them as running."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    alive = {n.removeprefix(REPLICA_ACTOR_PREFIX) for n in names if n.startswith(REPLICA_ACTOR_PREFIX)}
+    status = serve.status().applications[APP].deployments[ENGINE_DEPLOYMENT]
+    return alive if status.replica_states.get("RUNNING", 0) == len(alive) else set()
+
+
+async def test_sessions_spread_over_both_replicas_and_stay_on_theirs(serve_url: str) -> None:
+    before = scrape(serve_url, "/metrics/replicas")
+    sessions = await asyncio.gather(*(Session.open(serve_url, max_frames=6) for _ in range(4)))
+    try:
+        placement = Counter(s.replica for s in sessions)
+        assert sorted(placement.values()) == [2, 2], placement  # the least loaded replica takes each session
+        for _ in range(3):  # three utterances per session, all on the replica that took the session
+            for s in sessions:
+                await s.say("Hello there, how can I help?")
+            for s in sessions:
+                done, pcm = await s.until("done")
+                assert done["finish_reason"] == "max_frames" and pcm == 6 * 1920 * 2
+    finally:
+        await asyncio.gather(*(s.close() for s in sessions))
+    await asyncio.sleep(1.5)  # a push of each replica's metrics
+    after = scrape(serve_url, "/metrics/replicas")
+    grew = {
+        replica: value - per_replica(before, "qwen3tts_utterances_total", endpoint="ws").get(replica, 0.0)
+        for replica, value in per_replica(after, "qwen3tts_utterances_total", endpoint="ws").items()
+    }
+    assert {r: n for r, n in grew.items() if n} == {r: 3.0 * n for r, n in placement.items()}
+
+
+async def test_a_full_replica_is_passed_over_and_busy_comes_only_when_all_are_full(serve_url: str) -> None:
+    held: list[Session] = []
+    try:
+        for _ in range(2 * SLOTS):  # unflushed text holds a synthesis slot until the flush
+            s = await Session.open(serve_url, max_frames=4)
+            await s.say("Hold this slot", flush=False)
+            held.append(s)
+            await asyncio.sleep(0.5)  # its slot shows in the replica's next report
+        assert sorted(Counter(s.replica for s in held).values()) == [SLOTS, SLOTS]
+        extra = await Session.open(serve_url, max_frames=4)
+        await extra.say("No room left")
+        error, _ = await extra.until("error")
+        assert (error["code"], error["status"]) == ("busy", 503)
+        await extra.close()
+        for s in held:
+            await s.ws.send(json.dumps({"type": "flush"}))
+            done, pcm = await s.until("done")
+            assert done["finish_reason"] == "max_frames" and pcm > 0
+    finally:
+        await asyncio.gather(*(s.close() for s in held))
+
+
+async def test_openai_speech_and_the_servers_error_shapes_through_serve(serve_url: str) -> None:
+    body = {"model": "tts-1", "input": "Hello there!", "voice": "alloy", "response_format": "pcm",
+            "sampling": {"max_frames": 5, "ignore_eos": True, "seed": 3}}
+    async with httpx.AsyncClient(base_url=f"http://{serve_url}", timeout=60) as client:
+        answers = [await client.post("/v1/audio/speech", json=body, headers=AUTH) for _ in range(4)]
+        assert {r.status_code for r in answers} == {200}
+        assert {len(r.content) for r in answers} == {5 * 1920 * 2}
+        assert len({r.content for r in answers}) == 1  # the same weights and seed on every replica
+        assert len({r.headers[REPLICA_HEADER] for r in answers}) == 2
+        wav = await client.post("/v1/audio/speech", json={**body, "response_format": "wav"}, headers=AUTH)
+        assert wav.status_code == 200 and wav.content[:4] == b"RIFF"
+
+        refused = await client.post("/v1/audio/speech", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        slow = await client.post("/v1/audio/speech", json={**body, "speed": 2.0}, headers=AUTH)
+        assert slow.status_code == 400 and slow.json()["error"]["code"] == "unsupported_parameter"
+        unknown = await client.get("/v1/nothing-here", headers=AUTH)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+        voices = await client.get("/v1/voices", headers=AUTH)
+        assert voices.status_code == 200 and "alloy" in voices.json()["openai_voices"]
+        ready = await client.get("/ready")
+        assert ready.json() == {"status": "ready", "model": "synthetic:tiny"}
+
+
+def test_metrics_are_summed_over_replicas_and_kept_apart_per_replica(serve_url: str) -> None:
+    time.sleep(1.5)  # every replica's last utterances reached the hub (a scrape sees the others' last push)
+    summed = scrape(serve_url)
+    split = scrape(serve_url, "/metrics/replicas")
+    slots = metric_values(summed, "qwen3tts_engine_max_streams")
+    assert slots == {(): 2 * 4.0}  # both engines' slots
+    assert set(per_replica(split, "qwen3tts_engine_max_streams").values()) == {4.0}
+    for name in ("qwen3tts_utterances_total", "qwen3tts_first_audio_seconds_count"):
+        total = sum(metric_values(summed, name).values())
+        assert total > 0 and total == pytest.approx(sum(per_replica(split, name).values()))
+    assert httpx.get(f"http://{serve_url}/metrics", timeout=10).status_code == 401
+
+
+async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_replaces_it(serve_url: str) -> None:
+    victim = await Session.open(serve_url, max_frames=2000)  # far longer than the test
+    await victim.say("A long answer that is cut short when its replica dies.")
+    await victim.until("audio")
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#{victim.replica}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    killed = time.monotonic()
+    error, _ = await victim.until("error", timeout=30)
+    assert (error["code"], error["status"]) == ("engine_error", 500)
+    with pytest.raises(ConnectionClosed) as closed:
+        await asyncio.wait_for(victim.ws.recv(), 10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011
+    assert time.monotonic() - killed < 30
+
+    survivor = await Session.open(serve_url, max_frames=4)  # the next session succeeds elsewhere
+    assert survivor.replica != victim.replica
+    await survivor.say("Still here.")
+    done, pcm = await survivor.until("done")
+    assert done["finish_reason"] == "max_frames" and pcm > 0
+    await survivor.close()
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        replicas = replicas_running()
+        if len(replicas) == 2 and victim.replica not in replicas:
+            break
+        await asyncio.sleep(1)
+    assert len(replicas) == 2 and victim.replica not in replicas, serve.status()
+    seen: set[str] = set()
+    for _ in range(6):
+        s = await Session.open(serve_url, max_frames=2)
+        seen.add(s.replica)
+        await s.close()
+    assert victim.replica not in seen and len(seen) == 2  # the replacement takes sessions too
+
+
+def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> None:
+    settings = RayServeSettings.from_dict(
+        {"model": "synthetic:tiny", "num_replicas": 2, "server": {"max_sessions": 8, "voices_dir": str(tmp_path)}}
+    )
+    assert settings.server.max_sessions == 8 and settings.server.voices_dir == tmp_path
+    assert settings.server.model_name == "synthetic:tiny"
+    assert RayServeSettings.from_dict(settings.to_dict()) == settings
+    with pytest.raises(ValueError, match="replica_count"):
+        RayServeSettings.from_dict({"model": "m", "replica_count": 2})
+    with pytest.raises(ValueError, match="max_session"):
+        RayServeSettings.from_dict({"model": "m", "server": {"max_session": 2}})
+    with pytest.raises(ValueError, match="engine_core"):
+        RayServeSettings(model="m", engine_core="fiber").validate()
