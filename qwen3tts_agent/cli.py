@@ -1,4 +1,5 @@
-"""Command line: `qwen3tts-agent say ...` streams speech to a WAV file; `qwen3tts-agent serve ...` runs the server."""
+"""Command line: `qwen3tts-agent say ...` streams speech to a WAV file; `qwen3tts-agent serve ...` runs the server;
+`qwen3tts-agent serve-ray ...` runs it over many engine replicas on a Ray cluster."""
 
 from __future__ import annotations
 
@@ -155,6 +156,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve_command(sub)
 
 
+def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
+    try:
+        from .ray.cli import add_serve_ray_command
+    except ImportError as exc:
+        missing = exc
+        p = sub.add_parser("serve-ray", help="run the server over engine replicas on Ray (needs the [ray] extra)")
+        p.set_defaults(func=lambda _a: _missing_extra("ray", missing), accepts_any_arguments=True)
+        return
+    add_serve_ray_command(sub)
+
+
 def _missing_extra(extra: str, exc: Exception) -> int:
     print(f'error: {exc}. Install it with: pip install "qwen3tts-agent[{extra}]"', file=sys.stderr)
     return 2
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_say(sub)
     _add_prepare(sub)
     _add_serve(sub)
+    _add_serve_ray(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

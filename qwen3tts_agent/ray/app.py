@@ -6,6 +6,7 @@ config file (`import_path: qwen3tts_agent.ray.app:app_builder`, the settings as 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -19,6 +20,7 @@ from .settings import RayServeSettings
 ROUTER_CLASS = "qwen3tts_agent.ray.router:LoadAwareRouter"
 ENGINE_DEPLOYMENT = "EngineReplica"
 METRICS_DEPLOYMENT = "MetricsHub"
+API_KEY_ENV = "QWEN3TTS_API_KEY"
 
 
 def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
@@ -58,5 +60,9 @@ def build_app(settings: RayServeSettings) -> Application:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """For `serve run` / `serve deploy` with a config file: `args` are RayServeSettings' fields."""
-    return build_app(RayServeSettings.from_dict(args))
+    """For `serve run` / `serve deploy` with a config file: `args` are RayServeSettings' fields. The
+    server's `api_key`, when the config does not set it, is $QWEN3TTS_API_KEY of the deploying shell."""
+    server = dict(args.get("server") or {})
+    if not server.get("api_key") and os.environ.get(API_KEY_ENV):
+        server["api_key"] = os.environ[API_KEY_ENV]
+    return build_app(RayServeSettings.from_dict({**args, "server": server}))

@@ -1,0 +1,149 @@
+"""`qwen3tts-agent serve-ray`: the server's endpoint in front of many engine replicas on a Ray cluster."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import ray  # imported here so a missing [ray] extra shows when the CLI registers `serve-ray`
+from ray import serve
+
+from ..server.cli import add_server_arguments, server_config_from_args
+from .settings import ENGINE_CORES, RayServeSettings
+
+
+def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve-ray` on the main CLI's sub-parsers."""
+    p = subparsers.add_parser(
+        "serve-ray", help="run the server's endpoint over engine replicas on a Ray cluster (one per GPU)"
+    )
+    add_server_arguments(p)
+    d = RayServeSettings(model="")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas (fixed; see --max-replicas to autoscale)")
+    p.add_argument("--min-replicas", type=int, default=d.min_replicas, help="autoscaling: fewest replicas")
+    p.add_argument("--max-replicas", type=int,
+                   help="autoscale between --min-replicas and this on ongoing requests (sessions + HTTP requests)")
+    p.add_argument("--target-ongoing-requests", type=float, default=d.target_ongoing_requests,
+                   help="autoscaling: ongoing requests per replica the autoscaler aims at")
+    p.add_argument("--engine-core", choices=ENGINE_CORES, default=d.engine_core,
+                   help="the engine's step loop on a thread of each replica, or in a child process of it")
+    p.add_argument("--num-gpus", type=float, help="GPUs per replica (default: 1 where this machine has CUDA, else 0)")
+    p.add_argument("--num-cpus", type=float, default=d.num_cpus, help="CPUs each replica reserves in Ray")
+    p.add_argument("--torch-threads", type=int, help="torch threads per replica (default: torch's own)")
+    p.add_argument("--max-ongoing-requests", type=int,
+                   help="Serve's cap per replica (default: --max-sessions + --max-queued + 64)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests a proxy holds while every replica is at its cap; beyond: 503 busy")
+    p.add_argument("--health-check-period", type=float, default=d.health_check_period_s, help="seconds between health checks")
+    p.add_argument("--routing-stats-period", type=float, default=d.routing_stats_period_s,
+                   help="seconds between the replicas' load reports to the routers")
+    p.add_argument("--address", help="Ray cluster to join ('auto': the one `ray start` runs on this node); "
+                   "default: start a Ray instance here")
+    p.add_argument("--ray-num-cpus", type=int, help="CPUs of the Ray instance started here (default: all)")
+    p.add_argument("--app-name", default=d.app_name, help="the Serve application's name")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the equivalent Serve config file (for `serve run` / `serve deploy`) and exit")
+    p.set_defaults(func=run_serve_ray)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
+    num_gpus = args.num_gpus
+    if num_gpus is None:
+        import torch
+
+        num_gpus = 1.0 if args.device != "cpu" and torch.cuda.is_available() else 0.0
+    autoscale = args.max_replicas is not None
+    return RayServeSettings(
+        model=args.model,
+        server=server_config_from_args(args),
+        device=args.device,
+        dtype=args.dtype,
+        max_streams="auto" if args.max_streams == "auto" else int(args.max_streams),
+        engine_core=args.engine_core,
+        torch_threads=args.torch_threads,
+        num_replicas=None if autoscale else args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas if autoscale else args.replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        num_gpus=num_gpus,
+        num_cpus=args.num_cpus,
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        health_check_period_s=args.health_check_period,
+        routing_stats_period_s=args.routing_stats_period,
+        app_name=args.app_name,
+    )
+
+
+def serve_config(settings: RayServeSettings) -> dict[str, Any]:
+    """The Serve config file equivalent to these settings. The API key stays out: `app_builder` reads it
+    from $QWEN3TTS_API_KEY where the config is deployed. The server's host and port stay in (the replicas
+    refuse a non-loopback host without a key) and are the proxies' too."""
+    args = settings.to_dict()
+    args["server"].pop("api_key", None)
+    server = settings.server
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": server.host, "port": server.port, "keep_alive_timeout_s": math.ceil(server.keep_alive_timeout_s)},
+        "applications": [{
+            "name": settings.app_name,
+            "route_prefix": settings.route_prefix,
+            "import_path": "qwen3tts_agent.ray.app:app_builder",
+            "args": args,
+        }],
+    }
+
+
+def run_serve_ray(args: argparse.Namespace) -> int:
+    """Deploy and serve until interrupted; 2 for bad settings, 1 if the replicas failed to start."""
+    from .app import build_app
+    from .proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    try:
+        if args.max_streams != "auto" and not args.max_streams.isdigit():
+            raise ValueError(f"--max-streams must be a number or 'auto', got {args.max_streams!r}")
+        settings = settings_from_args(args)
+        settings.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(serve_config(settings), sort_keys=False), end="")
+        return 0
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # the proxies of a Ray instance started here
+    local = args.address is None
+    ray.init(address=args.address, num_cpus=args.ray_num_cpus if local else None, include_dashboard=False)
+    config = settings.server
+    try:
+        serve.start(
+            proxy_location="EveryNode",
+            http_options={"host": config.host, "port": config.port,
+                          "keep_alive_timeout_s": math.ceil(config.keep_alive_timeout_s)},
+        )
+        try:
+            serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix,
+                      logging_config={"log_level": args.log_level.upper()})
+        except RuntimeError as exc:
+            print(f"error: the replicas failed to start: {exc}", file=sys.stderr)
+            return 1
+        print(f"serving {args.model} at http://{config.host}:{config.port} (WebSocket: /v1/stream); Ctrl-C stops",
+              flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        return 0
+    finally:
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(settings.app_name)
+        ray.shutdown()
