@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel on machines without a GPU; on a CUDA machine set TORCH_SPEC="torch" (or keep your own torch).
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= pipecat,server,livekit,dev
+EXTRAS ?= pipecat,server,livekit,ray,dev
 
 # Programs the test suite drives, and the Debian packages that bring them (docs/install.md).
 SYSTEM_PACKAGES ?= espeak-ng sox

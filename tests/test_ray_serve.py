@@ -55,8 +55,8 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             api_key=API_KEY, model_name="synthetic:tiny", voices_dir=tmp_path_factory.mktemp("voices"),
             max_frames=2000, max_active_streams=SLOTS, max_queued=0, idle_timeout_s=60.0,
         ),
-        num_replicas=2, num_cpus=0.5, torch_threads=1, max_streams=4,
-        health_check_period_s=1.0, routing_stats_period_s=0.2, app_name=APP,
+        num_replicas=2, num_cpus=0.5, torch_threads=1, max_streams=4, engine_core="process",
+        health_check_period_s=0.5, routing_stats_period_s=0.2, graceful_shutdown_timeout_s=2.0, app_name=APP,
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -133,6 +133,38 @@ def scrape(url: str, path: str = "/metrics") -> str:
 
 
 REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#"
+
+
+def core_process(replica: str) -> int:
+    """The pid of a replica's engine-core process (its child started through multiprocessing's spawn)."""
+    actor = ray.get_actor(REPLICA_ACTOR_PREFIX + replica, namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
+    children = [
+        int(child) for task in os.listdir(f"/proc/{pid}/task")
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+    ]
+    cores = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(cores) == 1, (pid, children)
+    return cores[0]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def wait_for_replacement(gone: str, timeout: float = 120) -> set[str]:
+    """Two replicas running again, `gone` not among them."""
+    deadline = time.monotonic() + timeout
+    replicas: set[str] = set()
+    while time.monotonic() < deadline:
+        replicas = replicas_running()
+        if len(replicas) == 2 and gone not in replicas:
+            return replicas
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"not replaced within {timeout} s: {replicas}, {serve.status()}")
 
 
 def replicas_running() -> set[str]:
@@ -225,12 +257,32 @@ def test_metrics_are_summed_over_replicas_and_kept_apart_per_replica(serve_url: 
     assert httpx.get(f"http://{serve_url}/metrics", timeout=10).status_code == 401
 
 
+async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url: str) -> None:
+    sessions = await asyncio.gather(*(Session.open(serve_url, max_frames=4) for _ in range(2)))
+    sick = sessions[0].replica
+    os.kill(core_process(sick), 9)
+    await sessions[0].say("Anyone there?")
+    error, _ = await sessions[0].until("error")
+    assert error["code"] in ("engine_error", "not_ready"), error
+    await asyncio.gather(*(s.close() for s in sessions))
+    await asyncio.sleep(0.5)  # the sick replica's report reaches the router
+    for _ in range(3):  # meanwhile every new session goes to the healthy replica, and is served
+        s = await Session.open(serve_url, max_frames=4)
+        assert s.replica != sick
+        await s.say("Hello?")
+        done, _ = await s.until("done")
+        assert done["finish_reason"] == "max_frames"
+        await s.close()
+    replicas = await wait_for_replacement(sick)  # its health checks failed: Serve started another
+    assert len(replicas - {s.replica}) == 1
+
+
 async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_replaces_it(serve_url: str) -> None:
     victim = await Session.open(serve_url, max_frames=2000)  # far longer than the test
     await victim.say("A long answer that is cut short when its replica dies.")
     await victim.until("audio")
-    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{ENGINE_DEPLOYMENT}#{victim.replica}", namespace="serve")
-    ray.kill(actor, no_restart=True)
+    core = core_process(victim.replica)
+    ray.kill(ray.get_actor(REPLICA_ACTOR_PREFIX + victim.replica, namespace="serve"), no_restart=True)
     killed = time.monotonic()
     error, _ = await victim.until("error", timeout=30)
     assert (error["code"], error["status"]) == ("engine_error", 500)
@@ -246,13 +298,8 @@ async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_r
     assert done["finish_reason"] == "max_frames" and pcm > 0
     await survivor.close()
 
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        replicas = replicas_running()
-        if len(replicas) == 2 and victim.replica not in replicas:
-            break
-        await asyncio.sleep(1)
-    assert len(replicas) == 2 and victim.replica not in replicas, serve.status()
+    await wait_for_replacement(victim.replica)
+    assert process_gone(core)  # Ray ended the dead replica's engine-core process with it
     seen: set[str] = set()
     for _ in range(6):
         s = await Session.open(serve_url, max_frames=2)
