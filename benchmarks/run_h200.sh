@@ -13,7 +13,11 @@
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
 # TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat), prefix-ab (one
 # stream, first audio with the voice-prefix cache off, on, and on with the staged prefill, 0.6B and 1.7B),
-# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py).
+# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py),
+# ray-install (Ray Serve from .whl/ray into .ray-site/: a call of its own that carries .whl/ray only, see
+# benchmarks/fetch_ray_wheels.sh) and ray-2gpu (on nvidia-h200-x2, in a later call to the same warm machine:
+# `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
+# benchmarks/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -22,6 +26,11 @@ out=${1:?output folder}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+if [ "$*" = ray-install ]; then  # its call carries .whl/ray alone (64 MiB per call)
+  rm -rf .ray-site && $install --target .ray-site .whl/ray/*.whl && PYTHONPATH=.ray-site python3 -c \
+    "import ray, ray.serve; print('ray', ray.__version__, 'installed in .ray-site')" | tee -a "$out/environment.txt"
+  exit $?
+fi
 [ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl .whl/server/*.whl || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
@@ -122,6 +131,14 @@ for stage in "$@"; do
       checkpoint synthetic:0.6b > /dev/null
       official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 \
         --out "$out/startup.json" 2>&1 | tee "$out/startup.log" ;;
+    ray-2gpu)
+      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=1 NUM_CPUS=4 \
+        ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= LOAD_COMMON="--clients 8 --warmup 5 --duration 30 --frames 100" \
+        bash benchmarks/ray_scaling.sh "$out/ray-2gpu" "${RAY_LOAD1:---held 128 --rates 24}" "${RAY_LOAD2:---held 256 --rates 48}" \
+        2>&1 | tee "$out/ray-2gpu.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
