@@ -15,6 +15,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,14 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.serve import Application
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, build_app
+from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, app_builder, build_app, config_settings
 from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
+from qwen3tts_agent.ray.router import ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
 from qwen3tts_agent.server.config import ServerConfig
 
@@ -44,23 +47,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # read by the proxy this cluster starts
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = free_port()
-    settings = RayServeSettings(
+def app_settings(voices_dir: Path) -> RayServeSettings:
+    """Two replicas of the tiny engine, half a Ray CPU each, engine cores in processes; quick health checks
+    and load reports so failures and routing show within a second."""
+    return RayServeSettings(
         model="synthetic:tiny",
         server=ServerConfig(
-            api_key=API_KEY, model_name="synthetic:tiny", voices_dir=tmp_path_factory.mktemp("voices"),
+            api_key=API_KEY, model_name="synthetic:tiny", voices_dir=voices_dir,
             max_frames=2000, max_active_streams=SLOTS, max_queued=0, idle_timeout_s=60.0,
         ),
         num_replicas=2, num_cpus=0.5, torch_threads=1, max_streams=4, engine_core="process",
         health_check_period_s=0.5, routing_stats_period_s=0.2, graceful_shutdown_timeout_s=2.0, app_name=APP,
     )
+
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # read by the proxy this cluster starts
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(settings), name=APP, route_prefix="/")
+        serve.run(build_app(app_settings(tmp_path_factory.mktemp("voices"))), name=APP, route_prefix="/")
         yield f"127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -165,6 +173,17 @@ async def wait_for_replacement(gone: str, timeout: float = 120) -> set[str]:
             return replicas
         await asyncio.sleep(0.5)
     raise AssertionError(f"not replaced within {timeout} s: {replicas}, {serve.status()}")
+
+
+async def wait_for_replicas(count: int, timeout: float = 120) -> set[str]:
+    deadline = time.monotonic() + timeout
+    replicas: set[str] = set()
+    while time.monotonic() < deadline:
+        replicas = replicas_running()
+        if len(replicas) == count:
+            return replicas
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"not {count} replicas within {timeout} s: {replicas}, {serve.status()}")
 
 
 def replicas_running() -> set[str]:
@@ -308,6 +327,26 @@ async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_r
     assert victim.replica not in seen and len(seen) == 2  # the replacement takes sessions too
 
 
+async def test_autoscaling_adds_a_replica_for_sessions_and_removes_it_after(serve_url: str, tmp_path: Path) -> None:
+    """Redeploys the application autoscaled (runs after the tests of the fixed two replicas)."""
+    settings = replace(
+        app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, target_ongoing_requests=2,
+        upscale_delay_s=0.5, downscale_delay_s=2.0,
+    )
+    serve.run(build_app(settings), name=APP, route_prefix="/")
+    first = await wait_for_replicas(1)
+    sessions = [await Session.open(serve_url, max_frames=4) for _ in range(4)]  # twice the target of one replica
+    assert {s.replica for s in sessions} == first
+    grown = await wait_for_replicas(2)
+    newcomer = await Session.open(serve_url, max_frames=4)
+    assert {newcomer.replica} == grown - first  # the new, idle replica takes the next session
+    await newcomer.say("Hello from the new replica.")
+    done, _ = await newcomer.until("done")
+    assert done["finish_reason"] == "max_frames"
+    await asyncio.gather(*(s.close() for s in [*sessions, newcomer]))
+    assert len(await wait_for_replicas(1)) == 1  # idle again: back to min_replicas
+
+
 def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> None:
     settings = RayServeSettings.from_dict(
         {"model": "synthetic:tiny", "num_replicas": 2, "server": {"max_sessions": 8, "voices_dir": str(tmp_path)}}
@@ -321,3 +360,59 @@ def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> Non
         RayServeSettings.from_dict({"model": "m", "server": {"max_session": 2}})
     with pytest.raises(ValueError, match="engine_core"):
         RayServeSettings(model="m", engine_core="fiber").validate()
+
+
+def _report(busy: int = 0, *, capacity: int = 2, sessions: int = 0, healthy: bool = True, overloaded: bool = False) -> dict[str, Any]:
+    return {"at": 1.0, "ready": True, "healthy": healthy, "overloaded": overloaded, "capacity": capacity,
+            "busy": busy, "sessions": sessions, "max_sessions": 64}
+
+
+def test_the_router_ranks_free_replicas_first_then_full_ones_then_those_down() -> None:
+    loads = {
+        "down": ReplicaLoad.from_stats(_report(healthy=False)),
+        "full": ReplicaLoad.from_stats(_report(busy=2)),
+        "half": ReplicaLoad.from_stats(_report(busy=1)),
+        "behind": ReplicaLoad.from_stats(_report(overloaded=True)),  # shedding load: as good as full
+        "idle": ReplicaLoad.from_stats(_report(sessions=3)),
+        "idler": ReplicaLoad.from_stats(_report()),
+        "new": ReplicaLoad.from_stats({}),  # not reported yet: idle
+    }
+    ranked = rank_by_load(list(loads), list(loads.values()))
+    assert [rank[0] for rank in ranked][:4] == ["idler", "new", "idle", "half"] or \
+        [rank[0] for rank in ranked][:4] == ["new", "idler", "idle", "half"]
+    assert [rank[0] for rank in ranked][4:] == ["behind", "full", "down"]
+    # requests placed since the last report count: one more makes the half-busy replica full
+    assert ReplicaLoad.from_stats(_report(busy=1), sent_since=1).full
+    # equals take turns, so requests routed at the same moment spread
+    same = [ReplicaLoad.from_stats(_report())] * 3
+    firsts = {rank_by_load(["a", "b", "c"], same, rotation=turn)[0][0] for turn in range(3)}
+    assert firsts == {"a", "b", "c"}
+
+
+def test_the_committed_serve_config_builds_the_application(monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "examples/ray/serve_config.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "qwen3tts_agent.ray.app:app_builder"
+    monkeypatch.setenv("QWEN3TTS_API_KEY", "from-the-environment")
+    assert isinstance(app_builder(application["args"]), Application)
+    settings = config_settings(application["args"])
+    assert settings.server.api_key == "from-the-environment" and settings.server.host == "0.0.0.0"
+    assert (settings.num_gpus, settings.num_replicas, settings.max_replicas) == (1, None, 8)
+    monkeypatch.delenv("QWEN3TTS_API_KEY")
+    with pytest.raises(ValueError, match="requires a bearer token"):  # 0.0.0.0 without a key is refused
+        app_builder(application["args"])
+
+
+def test_serve_ray_prints_a_config_that_builds_the_same_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from qwen3tts_agent.cli import main
+
+    assert main(["serve-ray", "--model", "synthetic:tiny", "--max-replicas", "3", "--num-gpus", "0",
+                 "--torch-threads", "1", "--max-sessions", "9", "--print-config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    settings = RayServeSettings.from_dict(config["applications"][0]["args"])
+    assert (settings.num_replicas, settings.max_replicas, settings.server.max_sessions) == (None, 3, 9)
+    assert main(["serve-ray", "--model", "m", "--replicas", "0"]) == 2

@@ -47,6 +47,8 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
             "initial_replicas": max(1, settings.min_replicas),
             "max_replicas": settings.max_replicas,
             "target_ongoing_requests": settings.target_ongoing_requests,
+            "upscale_delay_s": settings.upscale_delay_s,
+            "downscale_delay_s": settings.downscale_delay_s,
         }
     return options
 
@@ -59,10 +61,15 @@ def build_app(settings: RayServeSettings) -> Application:
     return engines.bind(settings, hub.bind())
 
 
-def app_builder(args: dict[str, Any]) -> Application:
-    """For `serve run` / `serve deploy` with a config file: `args` are RayServeSettings' fields. The
-    server's `api_key`, when the config does not set it, is $QWEN3TTS_API_KEY of the deploying shell."""
+def config_settings(args: dict[str, Any]) -> RayServeSettings:
+    """The settings of a Serve config file's `args` (RayServeSettings' fields). The server's `api_key`,
+    when the config does not set it, is $QWEN3TTS_API_KEY of the deploying shell."""
     server = dict(args.get("server") or {})
     if not server.get("api_key") and os.environ.get(API_KEY_ENV):
         server["api_key"] = os.environ[API_KEY_ENV]
-    return build_app(RayServeSettings.from_dict({**args, "server": server}))
+    return RayServeSettings.from_dict({**args, "server": server})
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """For `serve run` / `serve deploy` with a config file (`import_path: qwen3tts_agent.ray.app:app_builder`)."""
+    return build_app(config_settings(args))
