@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve import Application
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, app_builder, build_app, config_settings
 from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
@@ -259,6 +259,10 @@ async def test_openai_speech_and_the_servers_error_shapes_through_serve(serve_ur
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
         voices = await client.get("/v1/voices", headers=AUTH)
         assert voices.status_code == 200 and "alloy" in voices.json()["openai_voices"]
+        with pytest.raises(InvalidStatus) as denied:  # the WebSocket handshake's gates, in the same shapes
+            await connect(f"ws://{serve_url}/v1/stream")
+        assert denied.value.response.status_code == 401
+        assert json.loads(denied.value.response.body)["error"]["code"] == "unauthorized"
         ready = await client.get("/ready")
         assert ready.json() == {"status": "ready", "model": "synthetic:tiny"}
 
