@@ -11,7 +11,6 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
 
 from .metrics import MetricsHub
 from .replica import EngineReplica
@@ -33,11 +32,11 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
         "health_check_period_s": settings.health_check_period_s,
         "health_check_timeout_s": settings.health_check_timeout_s,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=ROUTER_CLASS,
-            request_routing_stats_period_s=settings.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(5.0, 10 * settings.routing_stats_period_s),
-        ),
+        "request_router_config": {  # ray.serve.config.RequestRouterConfig's fields
+            "request_router_class": ROUTER_CLASS,
+            "request_routing_stats_period_s": settings.routing_stats_period_s,
+            "request_routing_stats_timeout_s": max(5.0, 10 * settings.routing_stats_period_s),
+        },
     }
     if settings.num_replicas is not None:
         options["num_replicas"] = settings.num_replicas
@@ -56,8 +55,8 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
 def build_app(settings: RayServeSettings) -> Application:
     """The application: `EngineReplica` as the ingress, `MetricsHub` (one replica, no resources) bound to it."""
     settings.validate()
-    hub = serve.deployment(MetricsHub, name=METRICS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
-    engines = serve.deployment(serve.ingress()(EngineReplica), **deployment_options(settings))
+    hub = serve.deployment(name=METRICS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})(MetricsHub)
+    engines = serve.deployment(**deployment_options(settings))(serve.ingress()(EngineReplica))
     return engines.bind(settings, hub.bind())
 
 

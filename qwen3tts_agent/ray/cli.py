@@ -114,7 +114,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
+        import yaml  # type: ignore[import-untyped]  # Ray's own dependency, without stubs here
 
         print(yaml.safe_dump(serve_config(settings), sort_keys=False), end="")
         return 0

@@ -71,8 +71,8 @@ def merge(snapshots: Mapping[str, Iterable[Metric]], *, per_replica: bool) -> li
                 else:
                     samples[key] = samples.get(key, 0.0) + sample.value
     for name, family in families.items():
-        for (sample_name, labels), value in values[name].items():
-            family.add_sample(sample_name, dict(labels), value)
+        for (sample_name, label_pairs), value in values[name].items():
+            family.add_sample(sample_name, dict(label_pairs), value)
     return list(families.values())
 
 
@@ -88,5 +88,5 @@ class _Families:
 
 def render(families: list[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families))  # type: ignore[arg-type]
+    registry.register(_Families(families))
     return generate_latest(registry)
