@@ -65,6 +65,7 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         device=args.device,
         dtype=args.dtype,
         max_streams="auto" if args.max_streams == "auto" else int(args.max_streams),
+        backend=args.backend,
         engine_core=args.engine_core,
         torch_threads=args.torch_threads,
         num_replicas=None if autoscale else args.replicas,

@@ -104,7 +104,7 @@ class EngineReplica:
     def _load_engine(self) -> Any:
         """The app's engine factory (run on a worker thread by the app's start-up)."""
         s = self._settings
-        engine_kwargs: dict[str, Any] = {"max_streams": s.max_streams}
+        engine_kwargs: dict[str, Any] = {"max_streams": s.max_streams, "backend": s.backend}
         if s.engine_core == "thread":
             from ..engine.engine import Engine
 

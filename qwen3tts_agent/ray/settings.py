@@ -13,6 +13,7 @@ from typing import Any
 from ..server.config import ServerConfig
 
 ENGINE_CORES = ("thread", "process")
+BACKENDS = ("auto", "torch", "int8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class RayServeSettings:
         server: the server's limits and auth, as for `serve` (host and port are the Serve proxies').
         device, dtype: as for `serve`; a GPU replica sees only its own GPU, so "auto" means that one.
         max_streams: engine stream slots per replica ("auto": what the device holds).
+        backend: what runs the model maths, as for `serve` ("auto": int8 ONNX Runtime on a CPU, PyTorch and
+            the Triton kernels on a GPU; docs/cpu-backend.md).
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
             a child process of the replica (`engine/process.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
@@ -50,6 +53,7 @@ class RayServeSettings:
     device: str = "auto"
     dtype: str = "auto"
     max_streams: int | str = "auto"
+    backend: str = "auto"
     engine_core: str = "thread"
     torch_threads: int | None = None
     num_replicas: int | None = 1
@@ -74,6 +78,8 @@ class RayServeSettings:
         self.server.validate()
         if self.engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {self.engine_core!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_streams != "auto" and (not isinstance(self.max_streams, int) or self.max_streams < 1):
             raise ValueError(f"max_streams must be a positive number or 'auto', got {self.max_streams!r}")
         if self.num_replicas is not None and self.num_replicas < 1:
