@@ -15,7 +15,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,15 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve import Application
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # what a router is built with
+from ray.serve.request_router import ReplicaID
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, app_builder, build_app, config_settings
 from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
-from qwen3tts_agent.ray.router import ReplicaLoad, rank_by_load
+from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
 from qwen3tts_agent.server.config import ServerConfig
 
@@ -385,12 +387,49 @@ def test_the_router_ranks_free_replicas_first_then_full_ones_then_those_down() -
     assert [rank[0] for rank in ranked][:4] == ["idler", "new", "idle", "half"] or \
         [rank[0] for rank in ranked][:4] == ["new", "idler", "idle", "half"]
     assert [rank[0] for rank in ranked][4:] == ["behind", "full", "down"]
-    # requests placed since the last report count: one more makes the half-busy replica full
+    # requests placed since the last report count: one more makes the half-busy replica full,
+    # and one that ended there since frees its slot before the next report says so
     assert ReplicaLoad.from_stats(_report(busy=1), sent_since=1).full
+    assert not ReplicaLoad.from_stats(_report(busy=2), sent_since=1, ended_since=2).full
     # equals take turns, so requests routed at the same moment spread
     same = [ReplicaLoad.from_stats(_report())] * 3
     firsts = {rank_by_load(["a", "b", "c"], same, rotation=turn)[0][0] for turn in range(3)}
     assert firsts == {"a", "b", "c"}
+
+
+@dataclass
+class StandInReplica:
+    """What `LoadAwareRouter` and Serve's `update_replicas` use of a `RunningReplica` (a real one wraps a
+    live replica actor): its id, its last load report, and the queue-length probe Serve sends new ones."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, Any]
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+async def test_the_router_counts_requests_it_placed_and_those_that_ended_until_the_next_report() -> None:
+    deployment = DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP)
+    router = LoadAwareRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    a = StandInReplica(ReplicaID("a", deployment), _report(busy=3, capacity=4, sessions=3))
+    b = StandInReplica(ReplicaID("b", deployment), _report(busy=1, capacity=4, sessions=1))
+    router.update_replicas([a, b])  # type: ignore[list-item]  # the stand-ins above
+    replicas: list[Any] = [a, b]
+
+    async def first_choice() -> str:
+        ranked = await router.choose_replicas(replicas)
+        return str(ranked[0][0].replica_id.unique_id)
+
+    # b's report says 1 of 4 slots busy, a's 3 of 4: b takes two requests before the next reports
+    assert [await first_choice(), await first_choice()] == ["b", "b"]
+    router.on_request_completed(a.replica_id, "ended-1")  # Serve's hook: two of a's requests ended
+    router.on_request_completed(a.replica_id, "ended-2")
+    assert await first_choice() == "a"  # 1 of 4 on a against 3 of 4 on b, before any report says so
+    router.on_request_completed(ReplicaID("gone", deployment), "ended-3")  # a replica no longer routed to
+    a.routing_stats = {**_report(busy=4, capacity=4), "at": 2.0}  # a's next report: full; its counts start over
+    assert await first_choice() == "b"
 
 
 def test_the_committed_serve_config_builds_the_application(monkeypatch: pytest.MonkeyPatch) -> None:

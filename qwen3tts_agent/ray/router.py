@@ -12,9 +12,12 @@ Serve walks the ranks in order and takes the first replica under its `max_ongoin
 replica gets a session only when every replica is full, and then its admission queue answers (waits
 for a slot, or `busy`) exactly as `serve` would.
 
-Reports are a fraction of a second old; to keep a burst of new sessions from all landing on the replica
-that looked idlest, each request this router places counts as one more busy slot and one more session on
-its replica until that replica's next report arrives.
+Reports are a fraction of a second old, so between two reports of a replica the router adjusts its
+last one by what it saw itself: each request it placed there counts as one more busy slot and session
+(a burst of new sessions does not all land on the replica that looked idlest), and each of its requests
+that ended there as one fewer (Serve's `on_request_completed`: the freed slot is used at once, not after
+the next report). The adjustment is a guess between reports and never below zero; the next report
+replaces it (a request that ended just before a report may count as ended twice until the one after).
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ class ReplicaLoad:
     overloaded: bool  # its engine refuses new streams: running behind real time
 
     @classmethod
-    def from_stats(cls, stats: Mapping[str, Any], sent_since: int = 0) -> ReplicaLoad:
-        """From `record_routing_stats`'s dict; a replica that has not reported yet counts as idle."""
+    def from_stats(cls, stats: Mapping[str, Any], sent_since: int = 0, ended_since: int = 0) -> ReplicaLoad:
+        """From `record_routing_stats`'s dict, adjusted by the requests placed there and ended there since
+        it was made; a replica that has not reported yet counts as idle."""
+        change = sent_since - ended_since
         if not stats:
-            return cls(capacity=0, busy=sent_since, sessions=sent_since, max_sessions=0, available=True, overloaded=False)
+            return cls(capacity=0, busy=max(0, change), sessions=max(0, change), max_sessions=0, available=True,
+                       overloaded=False)
         return cls(
             capacity=int(stats["capacity"]),
-            busy=int(stats["busy"]) + sent_since,
-            sessions=int(stats["sessions"]) + sent_since,
+            busy=max(0, int(stats["busy"]) + change),
+            sessions=max(0, int(stats["sessions"]) + change),
             max_sessions=int(stats["max_sessions"]),
             available=bool(stats["ready"]) and bool(stats["healthy"]),
             overloaded=bool(stats["overloaded"]),
@@ -76,34 +82,51 @@ def rank_by_load(replicas: Sequence[R], loads: Sequence[ReplicaLoad], *, rotatio
     return [[replica] for replica, _ in pairs]
 
 
+@dataclass
+class _SinceReport:
+    """What one router saw of a replica since that replica's current report."""
+
+    report_at: float | None
+    placed: int = 0
+    ended: int = 0
+
+
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router over the engine replicas' reported load (see the module docstring)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        # replica -> (timestamp of the report the count is relative to, requests sent since that report)
-        self._sent: dict[ReplicaID, tuple[float | None, int]] = {}
+        self._since_report: dict[ReplicaID, _SinceReport] = {}
         self._turn = 0
 
-    def _sent_since_report(self, replica: RunningReplica) -> int:
-        report_at = (replica.routing_stats or {}).get("at")
-        at, count = self._sent.get(replica.replica_id, (None, 0))
-        return count if at == report_at else 0
+    def _seen(self, replica_id: ReplicaID) -> _SinceReport:
+        """This router's counts since the replica's current report (reset when a new report arrives)."""
+        replica = self.curr_replicas.get(replica_id)
+        report_at = (replica.routing_stats or {}).get("at") if replica is not None else None
+        seen = self._since_report.get(replica_id)
+        if seen is None or seen.report_at != report_at:
+            seen = self._since_report[replica_id] = _SinceReport(report_at)
+        return seen
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         live = {r.replica_id for r in candidate_replicas}
-        for gone in [rid for rid in self._sent if rid not in live]:
-            del self._sent[gone]
-        loads = [ReplicaLoad.from_stats(r.routing_stats or {}, self._sent_since_report(r)) for r in candidate_replicas]
+        for gone in [rid for rid in self._since_report if rid not in live]:
+            del self._since_report[gone]
+        loads = []
+        for replica in candidate_replicas:
+            seen = self._seen(replica.replica_id)
+            loads.append(ReplicaLoad.from_stats(replica.routing_stats or {}, seen.placed, seen.ended))
         self._turn += 1
         ranked = rank_by_load(candidate_replicas, loads, rotation=self._turn)
         if ranked:
             # Counted now, not once the request is sent: several requests are routed concurrently, each
             # choosing before any is sent. A choice that ends elsewhere is forgotten at the next report.
-            self._count_sent(ranked[0][0])
+            self._seen(ranked[0][0].replica_id).placed += 1
         return ranked
 
-    def _count_sent(self, replica: RunningReplica) -> None:
-        report_at = (replica.routing_stats or {}).get("at")
-        self._sent[replica.replica_id] = (report_at, self._sent_since_report(replica) + 1)
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve's hook, run on the router's event loop once per request sent to a replica, when it ends
+        (a WebSocket session when it closes; a request the replica refused, too, balancing its placing)."""
+        if replica_id in self.curr_replicas:
+            self._seen(replica_id).ended += 1
