@@ -2,7 +2,9 @@
 # Scale-out through `serve-ray`: the same load against 1 and then 2 engine replicas, measured through the
 # Serve endpoint with benchmarks/load.py (client processes, first audio timed at the client). Writes
 # OUT/replicas-N.json (load.py's report), OUT/serve-ray-N.log and OUT/conditions.txt (versions, command,
-# `uptime` before and after each run: on a shared machine other work moves CPU timings).
+# `uptime` before and after each run, and the CPU seconds each kind of process used during the load: the
+# replicas, Serve's proxy and controller, Ray's own daemons and the load's clients; on a machine of few
+# cores they compete, and other work on a shared machine moves CPU timings).
 #
 # Usage: bash benchmarks/ray_scaling.sh OUT "LOAD ARGS FOR 1 REPLICA" "LOAD ARGS FOR 2 REPLICAS"
 #   CPU: bash benchmarks/ray_scaling.sh OUT "--rates 0.6 0.9" "--rates 1.2 1.8"
@@ -37,6 +39,35 @@ threads=()
     echo "load: $LOAD_COMMON | 1 replica: $LOAD1 | 2 replicas: $LOAD2"
 } > "$OUT/conditions.txt"
 
+cpu_by_process() {  # CPU seconds so far of the running processes, summed per kind: "kind seconds" lines
+    ps -eo pid=,ppid=,times=,args= | awk '{
+        parent[$1] = $2; cpu[$1] = $3; name[$1] = $4; line[$1] = $0
+    } END {
+        for (pid in cpu) {
+            kind = name[pid]
+            if (kind == "awk") continue  # this very program, whose text names them all
+            if (kind ~ /^ray::/) sub(/\..*/, "", kind)  # ray::ServeReplica:APP:EngineReplica, ray::ProxyActor, ...
+            else if (line[pid] ~ /spawn_main/ && name[parent[pid]] ~ /^ray::ServeReplica/) kind = "engine-cores"
+            else if (line[pid] ~ /raylet|gcs_server|dashboard|log_monitor|ray\/_private|ray\/autoscaler/) kind = "ray-daemons"
+            else if (line[pid] ~ /qwen3tts_agent.cli serve-ray/) kind = "serve-ray-driver"
+            else continue
+            total[kind] += cpu[pid]
+        }
+        for (k in total) print k, total[k]
+    }'
+}
+
+machine_busy() {  # CPU seconds the whole machine has been busy (all cores; /proc/stat: not idle, not iowait)
+    awk -v hz="$(getconf CLK_TCK)" '/^cpu / { print ($2 + $3 + $4 + $7 + $8 + $9) / hz; exit }' /proc/stat
+}
+
+cpu_during() {  # cpu_during BEFORE AFTER WALL: per kind, CPU seconds used between the two snapshots
+    awk -v wall="$3" 'NR == FNR { before[$1] = $2; next } {
+        used = $2 - before[$1]; total += used
+        printf "    %-40s %7.1f s CPU (%.2f cores)\n", $1, used, used / wall
+    } END { printf "    %-40s %7.1f s CPU (%.2f cores) over %d s\n", "all Ray processes", total, total / wall, wall }' "$1" "$2"
+}
+
 run() {  # run REPLICAS LOAD_ARGS
     local replicas="$1" load="$2" server
     # shellcheck disable=SC2086
@@ -52,10 +83,24 @@ run() {  # run REPLICAS LOAD_ARGS
         sleep 1
     done
     echo "$replicas replica(s), before: $(uptime)" >> "$OUT/conditions.txt"
+    cpu_by_process > "$OUT/.cpu-before"
+    local busy_before; busy_before=$(machine_busy)
+    local started=$SECONDS
     # shellcheck disable=SC2086
-    "$PYTHON" -m benchmarks.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
+    /usr/bin/time -o "$OUT/.cpu-clients" -f "%U %S" \
+        "$PYTHON" -m benchmarks.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
         --out "$OUT/replicas-$replicas.json"
-    echo "$replicas replica(s), after:  $(uptime)" >> "$OUT/conditions.txt"
+    local wall=$((SECONDS - started))
+    cpu_by_process > "$OUT/.cpu-after"
+    local busy_after; busy_after=$(machine_busy)
+    {
+        echo "$replicas replica(s), after:  $(uptime)"
+        echo "  CPU used during the load ($wall s wall, $(nproc) cores):"
+        cpu_during "$OUT/.cpu-before" "$OUT/.cpu-after" "$wall"
+        awk -v wall="$wall" '{ printf "    %-40s %7.1f s CPU (%.2f cores)\n", "load clients (benchmarks/load.py)", $1 + $2, ($1 + $2) / wall }' "$OUT/.cpu-clients"
+        awk -v wall="$wall" -v a="$busy_before" -v b="$busy_after" 'BEGIN { printf "    %-40s %7.1f s CPU (%.2f cores): the rest is other work\n", "whole machine busy", b - a, (b - a) / wall }'
+    } >> "$OUT/conditions.txt"
+    rm -f "$OUT/.cpu-before" "$OUT/.cpu-after" "$OUT/.cpu-clients"
     kill -INT $server
     wait $server || true
     trap - EXIT

@@ -63,9 +63,19 @@ def app_settings(voices_dir: Path) -> RayServeSettings:
     )
 
 
+# Serve's processes read these at start: the proxy's middleware, and how often the proxy and the replicas
+# send the autoscaler their ongoing requests (10 s by default), so the autoscaling test sees scaling soon.
+CLUSTER_ENV = {
+    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+}
+
+
 @pytest.fixture(scope="module")
 def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # read by the proxy this cluster starts
+    saved = {name: os.environ.get(name) for name in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     try:
@@ -75,7 +85,11 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
-        os.environ.pop(PROXY_CALLBACK_ENV, None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class Session:
@@ -337,7 +351,7 @@ async def test_autoscaling_adds_a_replica_for_sessions_and_removes_it_after(serv
     """Redeploys the application autoscaled (runs after the tests of the fixed two replicas)."""
     settings = replace(
         app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, target_ongoing_requests=2,
-        upscale_delay_s=0.5, downscale_delay_s=2.0,
+        look_back_period_s=1.0, upscale_delay_s=0.5, downscale_delay_s=2.0,
     )
     serve.run(build_app(settings), name=APP, route_prefix="/")
     first = await wait_for_replicas(1)

@@ -46,6 +46,7 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
             "initial_replicas": max(1, settings.min_replicas),
             "max_replicas": settings.max_replicas,
             "target_ongoing_requests": settings.target_ongoing_requests,
+            "look_back_period_s": settings.look_back_period_s,
             "upscale_delay_s": settings.upscale_delay_s,
             "downscale_delay_s": settings.downscale_delay_s,
         }

@@ -115,7 +115,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml  # type: ignore[import-untyped]  # Ray's own dependency, without stubs here
+        import yaml  # Ray's own dependency
 
         print(yaml.safe_dump(serve_config(settings), sort_keys=False), end="")
         return 0

@@ -62,7 +62,7 @@ class _ReplicaHeader:
 class EngineReplica:
     """The Serve deployment class (wrapped by `serve.ingress()` in `app.build_app`)."""
 
-    async def __init__(self, settings: RayServeSettings, metrics_hub: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+    def __init__(self, settings: RayServeSettings, metrics_hub: Any) -> None:
         self._settings = settings
         self._hub = metrics_hub  # a DeploymentHandle of metrics.MetricsHub
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -34,6 +34,7 @@ class RayServeSettings:
         num_replicas: a fixed number of replicas, or None to autoscale between `min_replicas` and
             `max_replicas` on ongoing requests (sessions and HTTP requests) per replica.
         target_ongoing_requests: the autoscaler's target of ongoing requests per replica.
+        look_back_period_s: the window over which the autoscaler averages ongoing requests (Serve's default).
         upscale_delay_s, downscale_delay_s: how long the autoscaler's decision must hold before it adds or
             removes replicas (Serve's defaults).
         num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster).
@@ -60,6 +61,7 @@ class RayServeSettings:
     min_replicas: int = 1
     max_replicas: int = 1
     target_ongoing_requests: float = 16.0
+    look_back_period_s: float = 30.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     num_gpus: float = 0.0
@@ -98,7 +100,7 @@ class RayServeSettings:
             raise ValueError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
             raise ValueError("upscale_delay_s and downscale_delay_s must not be negative")
-        for name in ("health_check_period_s", "health_check_timeout_s", "routing_stats_period_s"):
+        for name in ("health_check_period_s", "health_check_timeout_s", "routing_stats_period_s", "look_back_period_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
