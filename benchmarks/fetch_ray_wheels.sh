@@ -9,8 +9,8 @@
 # 45 MB. Because .whl/official + .whl/common + .whl/server also travel with the stages that need them,
 # the plan is two calls to the same warm machine:
 #
-#   1. carry .whl/ray only:       bash benchmarks/run_h200.sh ray-install   (installs into .ray-site/)
-#   2. carry the usual wheels:    bash benchmarks/run_h200.sh ray-2gpu      (finds .ray-site/ kept)
+#   1. carry .whl/ray only:       bash benchmarks/run_h200.sh OUT ray-install   (installs into .ray-site/)
+#   2. carry the usual wheels:    bash benchmarks/run_h200.sh OUT ray-2gpu      (finds .ray-site/ kept)
 #
 # Ignored outputs of a call stay on a warm machine for the next, so .ray-site/ is there in call 2.
 # Every dependency of ray[serve] that the GPU machine lacks is fetched too (small pure-Python wheels

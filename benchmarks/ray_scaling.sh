@@ -61,6 +61,10 @@ machine_busy() {  # CPU seconds the whole machine has been busy (all cores; /pro
     awk -v hz="$(getconf CLK_TCK)" '/^cpu / { print ($2 + $3 + $4 + $7 + $8 + $9) / hz; exit }' /proc/stat
 }
 
+children_cpu() {  # user + system seconds of the waited-for children in the output of bash's `times`
+    awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); print u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$1"
+}
+
 cpu_during() {  # cpu_during BEFORE AFTER WALL: per kind, CPU seconds used between the two snapshots
     awk -v wall="$3" 'NR == FNR { before[$1] = $2; next } {
         used = $2 - before[$1]; total += used
@@ -86,10 +90,11 @@ run() {  # run REPLICAS LOAD_ARGS
     cpu_by_process > "$OUT/.cpu-before"
     local busy_before; busy_before=$(machine_busy)
     local started=$SECONDS
+    times > "$OUT/.times-before"  # this shell's waited-for children so far (the load's clients come next)
     # shellcheck disable=SC2086
-    /usr/bin/time -o "$OUT/.cpu-clients" -f "%U %S" \
-        "$PYTHON" -m benchmarks.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
+    "$PYTHON" -m benchmarks.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
         --out "$OUT/replicas-$replicas.json"
+    times > "$OUT/.times-after"
     local wall=$((SECONDS - started))
     cpu_by_process > "$OUT/.cpu-after"
     local busy_after; busy_after=$(machine_busy)
@@ -97,10 +102,11 @@ run() {  # run REPLICAS LOAD_ARGS
         echo "$replicas replica(s), after:  $(uptime)"
         echo "  CPU used during the load ($wall s wall, $(nproc) cores):"
         cpu_during "$OUT/.cpu-before" "$OUT/.cpu-after" "$wall"
-        awk -v wall="$wall" '{ printf "    %-40s %7.1f s CPU (%.2f cores)\n", "load clients (benchmarks/load.py)", $1 + $2, ($1 + $2) / wall }' "$OUT/.cpu-clients"
+        local clients; clients=$(awk "BEGIN { print $(children_cpu "$OUT/.times-after") - $(children_cpu "$OUT/.times-before") }")
+        awk -v wall="$wall" -v c="$clients" 'BEGIN { printf "    %-40s %7.1f s CPU (%.2f cores)\n", "load clients (benchmarks/load.py)", c, c / wall }'
         awk -v wall="$wall" -v a="$busy_before" -v b="$busy_after" 'BEGIN { printf "    %-40s %7.1f s CPU (%.2f cores): the rest is other work\n", "whole machine busy", b - a, (b - a) / wall }'
     } >> "$OUT/conditions.txt"
-    rm -f "$OUT/.cpu-before" "$OUT/.cpu-after" "$OUT/.cpu-clients"
+    rm -f "$OUT/.cpu-before" "$OUT/.cpu-after" "$OUT/.times-before" "$OUT/.times-after"
     kill -INT $server
     wait $server || true
     trap - EXIT
