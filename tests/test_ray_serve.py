@@ -25,8 +25,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve import Application
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # what a router is built with
-from ray.serve.request_router import ReplicaID
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -401,10 +401,8 @@ def test_the_router_ranks_free_replicas_first_then_full_ones_then_those_down() -
     assert [rank[0] for rank in ranked][:4] == ["idler", "new", "idle", "half"] or \
         [rank[0] for rank in ranked][:4] == ["new", "idler", "idle", "half"]
     assert [rank[0] for rank in ranked][4:] == ["behind", "full", "down"]
-    # requests placed since the last report count: one more makes the half-busy replica full,
-    # and one that ended there since frees its slot before the next report says so
+    # requests placed since the last report count: one more makes the half-busy replica full
     assert ReplicaLoad.from_stats(_report(busy=1), sent_since=1).full
-    assert not ReplicaLoad.from_stats(_report(busy=2), sent_since=1, ended_since=2).full
     # equals take turns, so requests routed at the same moment spread
     same = [ReplicaLoad.from_stats(_report())] * 3
     firsts = {rank_by_load(["a", "b", "c"], same, rotation=turn)[0][0] for turn in range(3)}
@@ -423,27 +421,33 @@ class StandInReplica:
         return 0
 
 
-async def test_the_router_counts_requests_it_placed_and_those_that_ended_until_the_next_report() -> None:
+async def test_the_router_counts_requests_placed_since_a_report_until_they_end() -> None:
     deployment = DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP)
     router = LoadAwareRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
-    a = StandInReplica(ReplicaID("a", deployment), _report(busy=3, capacity=4, sessions=3))
+    a = StandInReplica(ReplicaID("a", deployment), _report(busy=3, capacity=4, sessions=0))
     b = StandInReplica(ReplicaID("b", deployment), _report(busy=1, capacity=4, sessions=1))
     router.update_replicas([a, b])  # type: ignore[list-item]  # the stand-ins above
     replicas: list[Any] = [a, b]
 
-    async def first_choice() -> str:
-        ranked = await router.choose_replicas(replicas)
+    async def place(request_id: str) -> str:
+        request = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id=request_id,
+                                                                              internal_request_id=request_id))
+        ranked = await router.choose_replicas(replicas, request)
         return str(ranked[0][0].replica_id.unique_id)
 
-    # b's report says 1 of 4 slots busy, a's 3 of 4: b takes two requests before the next reports
-    assert [await first_choice(), await first_choice()] == ["b", "b"]
-    router.on_request_completed(a.replica_id, "ended-1")  # Serve's hook: two of a's requests ended
-    router.on_request_completed(a.replica_id, "ended-2")
-    assert await first_choice() == "a"  # 1 of 4 on a against 3 of 4 on b, before any report says so
-    router.on_request_completed(ReplicaID("gone", deployment), "ended-3")  # a replica no longer routed to
-    a.routing_stats = {**_report(busy=4, capacity=4), "at": 2.0}  # a's next report: full; its counts start over
-    assert await first_choice() == "b"
+    # b reported 1 of 4 slots busy, a 3 of 4 (and fewer sessions): b takes two requests before its next
+    # report, then counts 3 slots and 3 sessions, so a takes the next and is full
+    assert [await place("r1"), await place("r2"), await place("r3")] == ["b", "b", "a"]
+    router.on_request_completed(a.replica_id, "r3")  # Serve's hook: r3 ended before a's next report
+    assert await place("r4") == "a"  # a's slot is free again at once: 3 of 4 and no sessions, before b
+    router.on_request_completed(a.replica_id, "r4")
+    router.on_request_completed(b.replica_id, "r1")
+    assert await place("r5") == "b"  # b: 2 of 4 now, before a's 3 of 4
+    b.routing_stats = {**_report(busy=3, capacity=4, sessions=3), "at": 2.0}  # b's next report counts r2, r5
+    router.on_request_completed(b.replica_id, "r2")  # ended after b's report, which counts it: not taken off
+    router.on_request_completed(b.replica_id, "never-placed")
+    assert await place("r6") == "a"  # b's report stands (3 of 4, 3 sessions): a comes first
 
 
 def test_the_committed_serve_config_builds_the_application(monkeypatch: pytest.MonkeyPatch) -> None:

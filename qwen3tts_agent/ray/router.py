@@ -12,18 +12,19 @@ Serve walks the ranks in order and takes the first replica under its `max_ongoin
 replica gets a session only when every replica is full, and then its admission queue answers (waits
 for a slot, or `busy`) exactly as `serve` would.
 
-Reports are a fraction of a second old, so between two reports of a replica the router adjusts its
-last one by what it saw itself: each request it placed there counts as one more busy slot and session
-(a burst of new sessions does not all land on the replica that looked idlest), and each of its requests
-that ended there as one fewer (Serve's `on_request_completed`: the freed slot is used at once, not after
-the next report). The adjustment is a guess between reports and never below zero; the next report
-replaces it (a request that ended just before a report may count as ended twice until the one after).
+Reports are a fraction of a second old, so between two reports of a replica the router adds to its
+last one what it placed there since: each request counts as one more busy slot and session, so a burst
+of new sessions does not all land on the replica that looked idlest. A request placed since the report
+that has already ended (a readiness probe, a metrics scrape, a short HTTP utterance, one the replica
+refused: Serve's `on_request_completed`) is taken back at once. One that ended after the next report is
+left to the report after, which no longer counts it: the router cannot tell whether a report counted a
+request (it counts utterances and WebSocket sessions, not other requests), so it never subtracts from one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -43,17 +44,15 @@ class ReplicaLoad:
     overloaded: bool  # its engine refuses new streams: running behind real time
 
     @classmethod
-    def from_stats(cls, stats: Mapping[str, Any], sent_since: int = 0, ended_since: int = 0) -> ReplicaLoad:
-        """From `record_routing_stats`'s dict, adjusted by the requests placed there and ended there since
-        it was made; a replica that has not reported yet counts as idle."""
-        change = sent_since - ended_since
+    def from_stats(cls, stats: Mapping[str, Any], sent_since: int = 0) -> ReplicaLoad:
+        """From `record_routing_stats`'s dict plus the requests placed there since it was made (and not
+        ended yet); a replica that has not reported yet counts as idle."""
         if not stats:
-            return cls(capacity=0, busy=max(0, change), sessions=max(0, change), max_sessions=0, available=True,
-                       overloaded=False)
+            return cls(capacity=0, busy=sent_since, sessions=sent_since, max_sessions=0, available=True, overloaded=False)
         return cls(
             capacity=int(stats["capacity"]),
-            busy=max(0, int(stats["busy"]) + change),
-            sessions=max(0, int(stats["sessions"]) + change),
+            busy=int(stats["busy"]) + sent_since,
+            sessions=int(stats["sessions"]) + sent_since,
             max_sessions=int(stats["max_sessions"]),
             available=bool(stats["ready"]) and bool(stats["healthy"]),
             overloaded=bool(stats["overloaded"]),
@@ -84,11 +83,15 @@ def rank_by_load(replicas: Sequence[R], loads: Sequence[ReplicaLoad], *, rotatio
 
 @dataclass
 class _SinceReport:
-    """What one router saw of a replica since that replica's current report."""
+    """The requests one router placed on a replica since that replica's current report, not ended yet."""
 
     report_at: float | None
-    placed: int = 0
-    ended: int = 0
+    placed: set[str] = field(default_factory=set)  # Serve's internal request ids
+    unnamed: int = 0  # placed without a request to name (Serve passes none in some calls)
+
+    @property
+    def count(self) -> int:
+        return len(self.placed) + self.unnamed
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -96,6 +99,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._since_report: dict[ReplicaID, _SinceReport] = {}
+        self._placed_on: dict[str, ReplicaID] = {}  # request id -> the replica it was last placed on
         self._turn = 0
 
     def _seen(self, replica_id: ReplicaID) -> _SinceReport:
@@ -113,20 +117,33 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         live = {r.replica_id for r in candidate_replicas}
         for gone in [rid for rid in self._since_report if rid not in live]:
             del self._since_report[gone]
-        loads = []
-        for replica in candidate_replicas:
-            seen = self._seen(replica.replica_id)
-            loads.append(ReplicaLoad.from_stats(replica.routing_stats or {}, seen.placed, seen.ended))
+        loads = [
+            ReplicaLoad.from_stats(replica.routing_stats or {}, self._seen(replica.replica_id).count)
+            for replica in candidate_replicas
+        ]
         self._turn += 1
         ranked = rank_by_load(candidate_replicas, loads, rotation=self._turn)
         if ranked:
             # Counted now, not once the request is sent: several requests are routed concurrently, each
             # choosing before any is sent. A choice that ends elsewhere is forgotten at the next report.
-            self._seen(ranked[0][0].replica_id).placed += 1
+            self._count_placed(ranked[0][0].replica_id, pending_request)
         return ranked
+
+    def _count_placed(self, replica_id: ReplicaID, request: PendingRequest | None) -> None:
+        if request is None:
+            self._seen(replica_id).unnamed += 1
+            return
+        request_id = request.metadata.internal_request_id
+        before = self._placed_on.get(request_id)
+        if before is not None and before != replica_id and before in self._since_report:
+            self._since_report[before].placed.discard(request_id)  # Serve routes it again: it left there
+        self._placed_on[request_id] = replica_id
+        self._seen(replica_id).placed.add(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Serve's hook, run on the router's event loop once per request sent to a replica, when it ends
-        (a WebSocket session when it closes; a request the replica refused, too, balancing its placing)."""
-        if replica_id in self.curr_replicas:
-            self._seen(replica_id).ended += 1
+        (a WebSocket session when it closes; a request the replica refused, too): a request placed since the
+        replica's current report no longer counts against it."""
+        placed_on = self._placed_on.pop(internal_request_id, None)
+        if placed_on is not None and placed_on in self.curr_replicas:
+            self._seen(placed_on).placed.discard(internal_request_id)
