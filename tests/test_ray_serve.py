@@ -258,6 +258,7 @@ async def test_a_full_replica_is_passed_over_and_busy_comes_only_when_all_are_fu
 async def test_openai_speech_and_the_servers_error_shapes_through_serve(serve_url: str) -> None:
     body = {"model": "tts-1", "input": "Hello there!", "voice": "alloy", "response_format": "pcm",
             "sampling": {"max_frames": 5, "ignore_eos": True, "seed": 3}}
+    await asyncio.sleep(1.0)  # both replicas' reports no longer count the last test's sessions
     async with httpx.AsyncClient(base_url=f"http://{serve_url}", timeout=60) as client:
         answers = [await client.post("/v1/audio/speech", json=body, headers=AUTH) for _ in range(4)]
         assert {r.status_code for r in answers} == {200}
@@ -397,16 +398,16 @@ def test_the_router_ranks_free_replicas_first_then_full_ones_then_those_down() -
         "idler": ReplicaLoad.from_stats(_report()),
         "new": ReplicaLoad.from_stats({}),  # not reported yet: idle
     }
-    ranked = rank_by_load(list(loads), list(loads.values()))
+    ranked = rank_by_load(list(loads), list(loads.values()), [-1] * len(loads))
     assert [rank[0] for rank in ranked][:4] == ["idler", "new", "idle", "half"] or \
         [rank[0] for rank in ranked][:4] == ["new", "idler", "idle", "half"]
     assert [rank[0] for rank in ranked][4:] == ["behind", "full", "down"]
     # requests placed since the last report count: one more makes the half-busy replica full
     assert ReplicaLoad.from_stats(_report(busy=1), sent_since=1).full
-    # equals take turns, so requests routed at the same moment spread
+    # equals go least recently chosen first, so requests routed at the same moment spread
     same = [ReplicaLoad.from_stats(_report())] * 3
-    firsts = {rank_by_load(["a", "b", "c"], same, rotation=turn)[0][0] for turn in range(3)}
-    assert firsts == {"a", "b", "c"}
+    assert rank_by_load(["a", "b", "c"], same, [5, 2, 7])[0][0] == "b"
+    assert [rank[0] for rank in rank_by_load(["a", "b", "c"], same, [5, -1, 7])] == ["b", "a", "c"]
 
 
 @dataclass
@@ -448,6 +449,23 @@ async def test_the_router_counts_requests_placed_since_a_report_until_they_end()
     router.on_request_completed(b.replica_id, "r2")  # ended after b's report, which counts it: not taken off
     router.on_request_completed(b.replica_id, "never-placed")
     assert await place("r6") == "a"  # b's report stands (3 of 4, 3 sessions): a comes first
+
+
+async def test_the_router_alternates_between_idle_replicas_for_requests_one_after_another() -> None:
+    """Each request ends before the next is routed, so no load tells the replicas apart: they take turns."""
+    deployment = DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP)
+    router = LoadAwareRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    replicas: list[Any] = [StandInReplica(ReplicaID(name, deployment), _report(capacity=4)) for name in "ab"]
+    router.update_replicas(replicas)
+    chosen = []
+    for i in range(6):
+        request = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id=f"r{i}",
+                                                                              internal_request_id=f"r{i}"))
+        ranked = await router.choose_replicas(replicas, request)
+        chosen.append(str(ranked[0][0].replica_id.unique_id))
+        router.on_request_completed(ranked[0][0].replica_id, f"r{i}")
+    assert chosen == ["a", "b"] * 3 or chosen == ["b", "a"] * 3
 
 
 def test_the_committed_serve_config_builds_the_application(monkeypatch: pytest.MonkeyPatch) -> None:

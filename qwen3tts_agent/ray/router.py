@@ -70,15 +70,12 @@ class ReplicaLoad:
         return group, round(per_slot, 6), round(per_session, 6)
 
 
-def rank_by_load(replicas: Sequence[R], loads: Sequence[ReplicaLoad], *, rotation: int = 0) -> list[list[R]]:
-    """Replicas in ranks of one, best first. Equally loaded replicas are ordered from `rotation` on, so
-    requests routed at the same moment, before any of them counts in a load, still take turns."""
-    pairs = list(zip(replicas, loads, strict=True))
-    if pairs:
-        shift = rotation % len(pairs)
-        pairs = pairs[shift:] + pairs[:shift]
-    pairs.sort(key=lambda pair: pair[1].key())  # stable: ties keep the rotated order
-    return [[replica] for replica, _ in pairs]
+def rank_by_load(replicas: Sequence[R], loads: Sequence[ReplicaLoad], last_chosen: Sequence[int]) -> list[list[R]]:
+    """Replicas in ranks of one, best first. Equally loaded replicas go least recently chosen first
+    (`last_chosen`: when the router last ranked each first; lower is longer ago), so requests routed before
+    any of them counts in a load, or whose load is gone before the next one, still take turns."""
+    order = sorted(range(len(replicas)), key=lambda i: (loads[i].key(), last_chosen[i]))
+    return [[replicas[i]] for i in order]
 
 
 @dataclass
@@ -100,7 +97,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._since_report: dict[ReplicaID, _SinceReport] = {}
         self._placed_on: dict[str, ReplicaID] = {}  # request id -> the replica it was last placed on
-        self._turn = 0
+        self._choices = 0  # how many times this router has chosen
+        self._last_chosen: dict[ReplicaID, int] = {}  # replica -> the choice that last ranked it first
 
     def _seen(self, replica_id: ReplicaID) -> _SinceReport:
         """This router's counts since the replica's current report (reset when a new report arrives)."""
@@ -117,13 +115,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         live = {r.replica_id for r in candidate_replicas}
         for gone in [rid for rid in self._since_report if rid not in live]:
             del self._since_report[gone]
+        for gone in [rid for rid in self._last_chosen if rid not in live]:
+            del self._last_chosen[gone]
         loads = [
             ReplicaLoad.from_stats(replica.routing_stats or {}, self._seen(replica.replica_id).count)
             for replica in candidate_replicas
         ]
-        self._turn += 1
-        ranked = rank_by_load(candidate_replicas, loads, rotation=self._turn)
+        last_chosen = [self._last_chosen.get(replica.replica_id, -1) for replica in candidate_replicas]
+        ranked = rank_by_load(candidate_replicas, loads, last_chosen)
         if ranked:
+            self._choices += 1
+            self._last_chosen[ranked[0][0].replica_id] = self._choices
             # Counted now, not once the request is sent: several requests are routed concurrently, each
             # choosing before any is sent. A choice that ends elsewhere is forgotten at the next report.
             self._count_placed(ranked[0][0].replica_id, pending_request)
