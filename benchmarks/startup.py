@@ -10,7 +10,7 @@ it. The three cases differ only in Triton's disk cache (`TRITON_CACHE_DIR`, a fr
   then `serve` starts.
 
 The report gives the seconds to ready of each start and the core's own split (weights, warm-up) from its
-log. CUDA graphs are captured at every start: they belong to a process.
+log; each start's whole log is kept beside the report (`startup.json` -> `startup/cold.log`, ...). CUDA graphs are captured at every start: they belong to a process.
 
     python -m benchmarks.startup --model synthetic:0.6b --max-streams 256 --out startup.json
 """

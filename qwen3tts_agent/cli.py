@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -144,27 +145,18 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_extra_command(sub: argparse._SubParsersAction, name: str, extra: str, help_text: str) -> None:
+    """Add `name` from the extra's package (`qwen3tts_agent.<extra>.cli`, `add_<name>_command`); without the
+    extra installed, a command that answers every invocation with the install hint."""
     try:
-        from .server.cli import add_serve_command
+        cli = importlib.import_module(f"qwen3tts_agent.{extra}.cli")
     except ImportError as exc:
         missing = exc
-        p = sub.add_parser("serve", help="run the streaming server (needs the [server] extra)")
+        p = sub.add_parser(name, help=f"{help_text} (needs the [{extra}] extra)")
         # whatever options follow, the answer is the install hint, not argparse's "unrecognized arguments"
-        p.set_defaults(func=lambda _a: _missing_extra("server", missing), accepts_any_arguments=True)
+        p.set_defaults(func=lambda _a: _missing_extra(extra, missing), accepts_any_arguments=True)
         return
-    add_serve_command(sub)
-
-
-def _add_serve_ray(sub: argparse._SubParsersAction) -> None:
-    try:
-        from .ray.cli import add_serve_ray_command
-    except ImportError as exc:
-        missing = exc
-        p = sub.add_parser("serve-ray", help="run the server over engine replicas on Ray (needs the [ray] extra)")
-        p.set_defaults(func=lambda _a: _missing_extra("ray", missing), accepts_any_arguments=True)
-        return
-    add_serve_ray_command(sub)
+    getattr(cli, f"add_{name.replace('-', '_')}_command")(sub)
 
 
 def _missing_extra(extra: str, exc: Exception) -> int:
@@ -178,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_say(sub)
     _add_prepare(sub)
-    _add_serve(sub)
-    _add_serve_ray(sub)
+    _add_extra_command(sub, "serve", "server", "run the streaming server")
+    _add_extra_command(sub, "serve-ray", "ray", "run the server over engine replicas on Ray")
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -98,7 +98,9 @@ def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_opt
         # uvicorn's own exit flags, not a signal: a SIGTERM that uvicorn re-raises after its shutdown would
         # kill this process before it stops the core and returns 1
         failures.append(message)
-        failure_file.write_text(message)  # the workers stop waiting for the core (connect_to_core)
+        written = failure_file.with_suffix(".writing")
+        written.write_text(message)
+        written.replace(failure_file)  # whole, at once: the workers stop waiting for the core (connect_to_core)
         if supervisor is not None:
             supervisor.should_exit.set()
         else:

@@ -44,7 +44,6 @@ class SynthesisSettings:
     chunk_schedule: tuple[int, ...] | None
 
 
-
 T = TypeVar("T")
 
 
