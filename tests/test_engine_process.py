@@ -124,3 +124,21 @@ def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, 
     voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))  # a fresh core's cache
     pcm, result = client.synthesize_blocking("Back again.", voice=voice, sampling=SamplingParams(max_frames=3))
     assert result.frames == 3 and len(pcm) == 3 * 1920
+
+
+def test_connect_waits_for_a_core_until_told_to_give_up(tmp_path) -> None:
+    """A worker waiting for a core that will never serve stops when `give_up` says why; without it, at the
+    timeout. Nothing listens at the address."""
+    address = f"ipc://{tmp_path}/nobody.sock"
+    asked = []
+
+    def give_up() -> str | None:
+        asked.append(time.monotonic())
+        return "the engine core failed to start: no such model" if len(asked) >= 2 else None
+
+    started = time.monotonic()
+    with pytest.raises(EngineNotReadyError, match="no such model"):
+        EngineClient.connect(address, timeout=None, give_up=give_up)
+    assert len(asked) == 2 and time.monotonic() - started < 5
+    with pytest.raises(EngineNotReadyError, match="within 0.3 s"):
+        EngineClient.connect(address, timeout=0.3)

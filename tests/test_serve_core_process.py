@@ -150,7 +150,7 @@ async def test_a_killed_core_fails_its_streams_at_once_and_serve_comes_back(serv
 
 
 async def test_a_killed_api_worker_loses_no_other_workers_streams() -> None:
-    process = _serve("--workers", "2")
+    process = _serve("--workers", "2", "--max-streams", "16")  # room for every session the loop may open
     port = process.port  # type: ignore[attr-defined]
     try:
         _wait_for(port, 200, STARTUP_S)

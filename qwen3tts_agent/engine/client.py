@@ -18,6 +18,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.5
 PING_INTERVAL_S = 0.5
+GIVE_UP_POLL_S = 0.5  # how often a waiting `connect` asks its `give_up`
 
 
 class _Link:
@@ -155,8 +157,19 @@ class EngineClient(EngineFrontend):
         self.device = self.info.device
 
     @classmethod
-    def connect(cls, address: str, *, timeout: float | None = 600.0, dead_after_s: float = 3.0) -> EngineClient:
-        """Connect to an engine-core process, waiting (up to `timeout`) for it to serve. Blocking."""
+    def connect(
+        cls,
+        address: str,
+        *,
+        timeout: float | None = 600.0,
+        dead_after_s: float = 3.0,
+        give_up: Callable[[], str | None] | None = None,
+    ) -> EngineClient:
+        """Connect to an engine-core process, waiting (up to `timeout`) for it to serve. Blocking.
+
+        `give_up`, asked every `GIVE_UP_POLL_S` while waiting, returns a reason to stop waiting (raised as
+        EngineNotReadyError), e.g. that the core failed to start; None to go on.
+        """
         welcomed: Future[dict[str, Any]] = Future()
         client: list[EngineClient] = []
 
@@ -168,11 +181,21 @@ class EngineClient(EngineFrontend):
                 welcomed.set_result(pickle.loads(frames[1]))
 
         link = _Link(address, on_message, dead_after_s)
-        try:
-            welcome = welcomed.result(timeout)
-        except TimeoutError:
-            link.close()
-            raise EngineNotReadyError(f"no engine core answered at {address} within {timeout} s") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if give_up is not None:
+                wait = GIVE_UP_POLL_S if wait is None else min(GIVE_UP_POLL_S, wait)
+            try:
+                welcome = welcomed.result(wait)
+                break
+            except TimeoutError:
+                reason = give_up() if give_up is not None else None
+                if reason is not None or (deadline is not None and time.monotonic() >= deadline):
+                    link.close()
+                    raise EngineNotReadyError(
+                        reason or f"no engine core answered at {address} within {timeout} s"
+                    ) from None
         client.append(cls(link, welcome))
         return client[0]
 

@@ -28,7 +28,6 @@ SETTINGS_ENV = "QWEN3TTS_SERVE_SETTINGS"  # how the supervisor hands the setting
 # An API worker takes connections once it is ready, or after this long (then answering 503 until it is): a
 # port shared by several workers hands no client to one still connecting to the core (ServerState.lifespan).
 WORKER_READY_WAIT_S = 60.0
-CORE_POLL_S = 0.5  # how often a worker waiting for the core checks whether its start failed
 
 
 def default_core_address() -> str:
@@ -51,17 +50,15 @@ def _core_failure_file() -> Path:
 
 
 def connect_to_core(address: str, failure_file: Path) -> Any:
-    """An `EngineClient` of the core once it serves; EngineNotReadyError as soon as its start failed (the
-    supervisor wrote `failure_file`), so a worker stops waiting and `serve` exits instead of hanging."""
+    """An `EngineClient` of the core once it serves (one connection, so every worker connects the moment the
+    core binds); EngineNotReadyError as soon as its start failed (the supervisor wrote `failure_file`), so a
+    worker stops waiting and `serve` exits instead of hanging."""
     from ..engine.client import EngineClient
-    from ..errors import EngineNotReadyError
 
-    while True:
-        try:
-            return EngineClient.connect(address, timeout=CORE_POLL_S)
-        except EngineNotReadyError:
-            if failure_file.exists():
-                raise EngineNotReadyError(failure_file.read_text()) from None
+    def failed() -> str | None:
+        return failure_file.read_text() if failure_file.exists() else None
+
+    return EngineClient.connect(address, timeout=None, give_up=failed)
 
 
 def worker_app() -> Any:
