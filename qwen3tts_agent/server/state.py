@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import hmac
 import logging
 import threading
@@ -51,29 +51,16 @@ async def _in_daemon_thread(fn: Callable[[], T]) -> T:
     """`fn()` on a daemon thread of its own. Unlike `asyncio.to_thread`, a call still blocked when its task is
     cancelled (an engine factory waiting for a core that never serves) does not hold up the process's exit:
     `asyncio.run` joins the default executor's threads, not this one."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.done():  # the awaiting task was cancelled
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]  # fn returned it
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
-        result: T | None = None
-        error: BaseException | None = None
         try:
-            result = fn()
+            future.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the result
-            loop.call_soon_threadsafe(settle, result, error)
+            future.set_exception(exc)
 
     threading.Thread(target=run, name="qwen3tts-engine-start", daemon=True).start()
-    return await future
+    return await asyncio.wrap_future(future)
 
 
 class ServerState:
