@@ -11,7 +11,8 @@
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
-# TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat), prefix-ab (one
+# TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat; TURN_MODELS,
+# TURN_ARGS and TURN_TAG override the models, add options and suffix the report's name), prefix-ab (one
 # stream, first audio with the voice-prefix cache off, on, and on with the staged prefill, 0.6B and 1.7B),
 # startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py),
 # ray-install (Ray Serve from .whl/ray into .ray-site/: a call of its own that carries .whl/ray only, see
@@ -117,9 +118,10 @@ for stage in "$@"; do
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       [ -f /tmp/official/pipecat/__init__.py ] || $install --target /tmp/official .whl/pipecat/*.whl \
         || echo "no Pipecat wheels (.whl/pipecat): the Pipecat rows will say so"
-      for m in synthetic:0.6b synthetic:0.6b-customvoice synthetic:1.7b-customvoice; do checkpoint $m > /dev/null; done
-      official -m benchmarks.turn_latency --models synthetic:0.6b,synthetic:0.6b-customvoice,synthetic:1.7b-customvoice \
-        --out "$out/turn-latency.json" 2>&1 | grep -v " | DEBUG " | tee "$out/turn-latency.log" ;;
+      models=${TURN_MODELS:-synthetic:0.6b,synthetic:0.6b-customvoice,synthetic:1.7b-customvoice}
+      for m in ${models//,/ }; do checkpoint $m > /dev/null; done
+      official -m benchmarks.turn_latency --models "$models" ${TURN_ARGS:-} \
+        --out "$out/turn-latency${TURN_TAG:-}.json" 2>&1 | grep -v " | DEBUG " | tee "$out/turn-latency${TURN_TAG:-}.log" ;;
     prefix-ab)
       for m in synthetic:0.6b synthetic:0.6b-customvoice synthetic:1.7b-customvoice; do
         checkpoint $m > /dev/null

@@ -20,6 +20,9 @@ copy it from the prefix store). Utterances are fixed-length (`ignore_eos`, `--fr
 once its first audio is in (engine, ws) or ends with its text (Pipecat). The report gives, per cell, first
 audio p50/p95 and, where the engine's result is at hand (engine, Pipecat), `text_wait` (how long the first
 frame waited for text) and first audio less that wait (what the engine adds once the text is there).
+The engine runs a streamed text's first frame on its second token before that token is final and holds the
+audio until it is (`Engine(speculative_first_frame=True)`, the default); `--no-speculation` measures the
+engine that waits for the token first.
 
     python -m benchmarks.turn_latency --models synthetic:0.6b,synthetic:0.6b-customvoice --out turn.json
     python -m benchmarks.turn_latency --models synthetic:tiny,synthetic:tiny-customvoice --device cpu --quick
@@ -400,7 +403,8 @@ async def run_model(spec: str, args: argparse.Namespace, report: dict[str, Any])
 
     log(f"loading {spec} on {args.device}")
     official = load_official_model(spec, device=args.device, dtype=getattr(torch, args.dtype), progress=False)
-    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, prefix_cache=args.prefix_cache, staged_prefill=args.staged_prefill,
+    engine = Engine(official, max_streams=args.max_streams, max_seq_len=args.max_seq_len, prefix_cache=args.prefix_cache,
+                    staged_prefill=args.staged_prefill, speculative_first_frame=args.speculative_first_frame,
                     backend=args.backend)
     server: InProcessServer | None = None
     cells: list[Cell] = []
@@ -466,6 +470,10 @@ async def run_model(spec: str, args: argparse.Namespace, report: dict[str, Any])
                 finally:
                     if session is not None:
                         await session.close()
+        stats = engine.stats()
+        report.setdefault("speculation", {})[spec] = {
+            "first_frames_speculated": stats.speculations, "misses": stats.speculation_misses,
+        }
     finally:
         if server is not None:
             server.stop()
@@ -531,7 +539,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "frames_per_utterance": args.frames,
-        "prefix_cache": args.prefix_cache, "staged_prefill": args.staged_prefill, "backend": args.backend, "reply": REPLY, "reference_texts": {str(k): v for k, v in REFERENCE_TEXTS.items()},
+        "prefix_cache": args.prefix_cache, "staged_prefill": args.staged_prefill,
+        "speculative_first_frame": args.speculative_first_frame, "backend": args.backend, "reply": REPLY,
+        "reference_texts": {str(k): v for k, v in REFERENCE_TEXTS.items()},
     }
     rows = []
     for spec in args.models:
@@ -561,6 +571,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
     parser.add_argument("--staged-prefill", action="store_true", help="Engine(staged_prefill=True), GPU only")
+    parser.add_argument("--no-speculation", dest="speculative_first_frame", action="store_false",
+                        help="Engine(speculative_first_frame=False): the first frame waits for its token to be final")
     parser.add_argument("--backend", default="auto", help="the engine's backend (auto: int8 on a CPU, torch on a GPU)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke settings: one rate, one run per cell")
     parser.add_argument("--out", type=Path, default=Path("turn_latency.json"))

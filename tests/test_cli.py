@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import soundfile as sf
 
 from qwen3tts_agent.cli import main
@@ -61,3 +62,20 @@ def test_demo_output_is_clean_off_a_terminal(tmp_path) -> None:
     assert [line.split(":")[0] for line in lines] == [
         "no --voice given", "synthetic model", f"wrote {out}", "first audio",
     ]
+
+
+def test_serve_gives_a_gpu_engine_an_api_worker_per_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwen3tts_agent.server.cli import MAX_AUTO_WORKERS, api_workers
+
+    for cores, expected in ((2, 1), (8, 2), (16, 4), (64, MAX_AUTO_WORKERS), (None, 1)):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert api_workers("auto", engine_core="process", device="auto") == expected
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert api_workers("auto", engine_core="process", device="cpu") == 1  # a CPU engine serves few streams
+    assert api_workers("auto", engine_core="thread", device="cuda") == 1
+    assert api_workers("3", engine_core="process", device="cuda") == 3
+    for bad, core in (("0", "process"), ("2", "thread")):
+        with pytest.raises(ValueError):
+            api_workers(bad, engine_core=core, device="cuda")
+    with pytest.raises(ValueError):
+        api_workers("many", engine_core="process", device="cuda")

@@ -290,3 +290,92 @@ def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_li
     assert not scheduler.steps_can_wait([ahead], 0.7)  # played on: now only 0.34 s ahead
     start(scheduler, fresh, [5, 6])
     assert not scheduler.steps_can_wait([ahead, fresh], 0.2)  # a stream without first audio never waits
+
+
+def _prefill(scheduler: Scheduler, now: float = 0.0) -> None:
+    """Admit and prefill as the core would, feeding each body's trailing tokens (none while text streams)."""
+    scheduler.admit(now)
+    for plan in scheduler.prefill_plans():
+        scheduler.on_prefilled(plan, 10, now)
+        if plan.body_ids is not None:
+            scheduler.on_fed(plan.request, plan.body_ids[1:])
+
+
+def test_first_frame_runs_on_the_tentative_second_token_and_settles_when_it_is_final() -> None:
+    scheduler = make_scheduler()
+    r = make_request("r")
+    scheduler.add(r)
+    scheduler.append_text(r, [5], tentative=[6])  # "Hello" final, " there" as the text stands
+    _prefill(scheduler)
+    assert scheduler.text_feeds() == [(r, [6])] and r.speculated == 6
+    scheduler.on_fed(r, [6])
+    assert scheduler.runnable() == [r]
+    assert len(step(scheduler, 0.01)) == 1  # its first chunk is due (the core holds its audio)
+    assert scheduler.runnable() == []  # the second frame needs the third token, final
+    scheduler.append_text(r, [], tentative=[6])
+    assert scheduler.settle_speculation(r) is None  # still tentative, still the same token
+    scheduler.append_text(r, [6, 7], tentative=[8])
+    assert scheduler.settle_speculation(r) is True and r.speculated is None
+    assert scheduler.text_feeds() == [(r, [7])]  # 6 is on the track already
+    assert scheduler.settle_speculation(r) is None
+
+
+def test_a_wrong_speculation_starts_the_request_over_without_speculating_again() -> None:
+    scheduler = make_scheduler(max_slots=2)
+    r = make_request("r")
+    scheduler.add(r)
+    scheduler.append_text(r, [5], tentative=[6])  # " wor" ...
+    _prefill(scheduler)
+    scheduler.on_fed(r, scheduler.text_feeds()[0][1])
+    rows = scheduler.runnable()
+    seq = scheduler.on_launched(rows)
+    scheduler.append_text(r, [], tentative=[9])  # ... became " world"
+    assert scheduler.settle_speculation(r) is False
+    fresh = scheduler.restart(r)
+    assert scheduler.get("r") is fresh and not scheduler.is_live(r) and scheduler.waiting == [fresh]
+    assert fresh.text_ids == [5] and fresh.tentative == [9] and fresh.slot is None and fresh.track_len == 0
+    codes = np.zeros((SLOTS, 16), dtype=np.int64)
+    assert scheduler.on_frame(rows, codes, np.zeros(SLOTS), 0.02) == [] and r.frames == 0  # the old frame is dropped
+    scheduler.on_step_done(seq)
+    _prefill(scheduler)
+    assert fresh.slot is not None and fresh.body_done
+    assert scheduler.text_feeds() == [] and scheduler.runnable() == []  # waits for " world" to be final
+    scheduler.append_text(fresh, [9], tentative=[10])
+    assert scheduler.text_feeds() == [(fresh, [9])]
+
+
+def test_only_an_open_interleaved_text_with_one_final_token_speculates() -> None:
+    cases = {
+        "icl": (PromptShape(TextLayout.INTERLEAVED, icl_codec_len=2, ref_text_len=1), [5], False),
+        "whole": (PromptShape(TextLayout.PREFILL), [5], False),
+        "two final": (PromptShape(TextLayout.INTERLEAVED), [5, 6], False),
+        "closed": (PromptShape(TextLayout.INTERLEAVED), [5], True),
+    }
+    for name, (shape, text, closed) in cases.items():
+        scheduler = make_scheduler()
+        r = make_request(name, shape=shape)
+        scheduler.add(r)
+        scheduler.close_input(r, text) if closed else scheduler.append_text(r, text, tentative=[7])
+        _prefill(scheduler)
+        assert all(request.speculated is None for request, _ in scheduler.text_feeds()), name
+    off = make_scheduler(speculate=False)
+    r = make_request("off")
+    off.add(r)
+    off.append_text(r, [5], tentative=[6])
+    _prefill(off)
+    assert off.text_feeds() == [] and r.speculated is None
+
+
+def test_a_chunk_cut_short_for_its_deadline_is_as_long_as_one_codec_call_takes() -> None:
+    """With decodes graphed for 1, 2, 4 and 8 frames, 7 urgent pending frames go as 4 (one call, batched
+    with other streams' 4-frame chunks); the other 3 are due 320 ms later and wait for the schedule."""
+    for sizes, expected in (((1, 2, 4, 8), 4), ((), 7)):
+        scheduler = make_scheduler(decode_sizes=sizes)
+        r = make_request("r", schedule=(1, 16))
+        start(scheduler, r, [5, 6])
+        [first] = step(scheduler, 0.0)
+        scheduler.on_delivered(first, now=0.0)  # the next chunk is due at 0.08
+        for i in range(6):
+            assert step(scheduler, 0.001 * i) == []
+        plans = step(scheduler, 0.08 - URGENT_SLACK_S / 2)
+        assert [p.n_frames for p in plans] == [expected] and len(r.pending) == 7 - expected

@@ -87,9 +87,12 @@ class AudioPipeline:
         self._first_decoding: collections.deque[_Decoding] = collections.deque()
         self._graphs: GraphedCodecDecode | None = None
         self._first_graphs: GraphedCodecDecode | None = None
+        # chunk lengths one codec call decodes (one graph replay); other lengths run as several pieces
+        self.decode_sizes: tuple[int, ...] = ()
         if graphed:
             schedule = set(chunk_schedule)
-            self._graphs = GraphedCodecDecode(self.codec, live, power_of_two_buckets(max_streams), schedule | {1, 2, 4, 8})
+            self.decode_sizes = tuple(sorted(schedule | {1, 2, 4, 8}))
+            self._graphs = GraphedCodecDecode(self.codec, live, power_of_two_buckets(max_streams), self.decode_sizes)
             if first_rows:
                 self._first_graphs = GraphedCodecDecode(
                     self.codec, live + max_streams, power_of_two_buckets(first_rows), {min(schedule)}

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..backends import create_runner
@@ -54,7 +55,7 @@ from .prefixes import PrefixCache
 from .prompt import PromptBuilder, PromptSpec
 from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
-from .scheduler import PrefillPlan, PromptShape, RequestState, Scheduler, StepPacer
+from .scheduler import ChunkPlan, PrefillPlan, PromptShape, RequestState, Scheduler, StepPacer
 from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class CoreConfig:
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
     prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
     staged_prefill: bool = False  # one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
+    speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
 
 
 @dataclass
@@ -116,6 +118,8 @@ class CoreStats:
     errors: int = 0
     steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
+    speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
+    speculation_misses: int = 0  # ... whose token turned out different: the request started over
 
 
 class EngineCore:
@@ -139,17 +143,18 @@ class EngineCore:
         )
         entries = getattr(self.runner, "prefix_entries", 0)
         self._prefixes = PrefixCache(entries, self.runner.prefix_len) if entries else None
-        self.scheduler = Scheduler(
-            max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
-            max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
-            adapt_chunks=config.adapt_chunks,
-        )
         self.pacer = StepPacer()
         cuda = self.device.type == "cuda"
         graphed = cuda and config.use_cuda_graphs
         self.audio = AudioPipeline(
             model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
             chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec, backend=config.backend,
+        )
+        self.scheduler = Scheduler(
+            max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
+            max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
+            adapt_chunks=config.adapt_chunks, speculate=config.speculative_first_frame,
+            decode_sizes=self.audio.decode_sizes,
         )
         # Steps and prompts run on streams of the highest priority, so codec work only fills their gaps; the
         # prompt lane is separate from the steps' stream, so a new prompt runs beside the step in flight.
@@ -162,6 +167,8 @@ class EngineCore:
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
         self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
+        # decoded audio of a first frame run on a tentative token, until the token turns out final
+        self._held: dict[str, list[tuple[ChunkPlan, np.ndarray]]] = {}
         self._frame_graphs: GraphedFrameStep | None = None
         self._prefill_graphs: GraphedPrefill | None = None
         self._staged_graphs: GraphedStagedPrefill | None = None
@@ -302,11 +309,13 @@ class EngineCore:
             elif request is None:
                 return  # ended meanwhile (finished, failed, aborted): late text or a second cancel
             elif isinstance(message, AppendText):
-                self.scheduler.append_text(request, message.token_ids)
+                self.scheduler.append_text(request, message.token_ids, message.tentative)
                 self._note_text(request)
+                self._settle(request)
             elif isinstance(message, CloseInput):
                 self.scheduler.close_input(request, message.token_ids)
                 self._note_text(request)
+                self._settle(request)
             elif isinstance(message, AbortRequest):
                 self.stats.cancels += 1
                 self._end(request, FinishReason.CANCELLED)
@@ -340,6 +349,21 @@ class EngineCore:
         if not request.text_ready and request.shape.first_frame_ready(len(request.text_ids), request.closed):
             request.text_ready = time.perf_counter()
 
+    def _settle(self, request: RequestState) -> None:
+        """New text may decide a speculated first frame: release its held audio, or start the request over."""
+        right = self.scheduler.settle_speculation(request)
+        if right is None:
+            return
+        held = self._held.pop(request.request_id, [])
+        if right:
+            for plan, pcm in held:
+                self._deliver_chunk(plan, pcm)
+            return
+        self.stats.speculation_misses += 1
+        self.audio.drop(request.request_id)  # its codec slot holds the wrong first frame's state
+        self._trailing.pop(request.request_id, None)
+        self.scheduler.restart(request)
+
     # ----------------------------------------------------------------- prompts
     def _prompts(self) -> bool:
         """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
@@ -369,6 +393,8 @@ class EngineCore:
                 torch.cuda.current_stream().wait_event(done)
         feeds = self.scheduler.text_feeds()
         for request, ids in feeds:  # running streams' text: on the steps' stream, ordered with their frames
+            if request.speculated is not None and request.track_len == 0:
+                self.stats.speculations += 1
             self._guarded(request, self._feed, request, ids)
         return bool(admitted or plans or feeds)
 
@@ -526,22 +552,29 @@ class EngineCore:
             progressed = True
             request = plan.request
             if not self.scheduler.is_live(request):
-                continue  # cancelled or failed meanwhile: nothing more for it
-            now = time.perf_counter()
-            self.scheduler.on_delivered(plan, now)
-            timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
-            output = ChunkOutput(
-                request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
-            )
-            try:
-                self._sink.chunk(output)
-            except Exception:  # noqa: BLE001 - a consumer's failure must not reach other streams
-                logger.exception("output sink failed for request %s", request.request_id)
-            if plan.is_last:
-                self._end(request, request.finish_reason or FinishReason.EOS)
+                continue  # cancelled, failed or restarted meanwhile: nothing more for it
+            if request.speculated is not None:  # its first frame's text token may still change
+                self._held.setdefault(request.request_id, []).append((plan, pcm.copy()))
+                continue
+            self._deliver_chunk(plan, pcm)
         if progressed:
             self.audio.pump(time.perf_counter())  # the codec lane has room again
         return progressed
+
+    def _deliver_chunk(self, plan: ChunkPlan, pcm: np.ndarray) -> None:
+        request = plan.request
+        now = time.perf_counter()
+        self.scheduler.on_delivered(plan, now)
+        timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
+        output = ChunkOutput(
+            request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
+        )
+        try:
+            self._sink.chunk(output)
+        except Exception:  # noqa: BLE001 - a consumer's failure must not reach other streams
+            logger.exception("output sink failed for request %s", request.request_id)
+        if plan.is_last:
+            self._end(request, request.finish_reason or FinishReason.EOS)
 
     def _step_failed(self, exc: Exception) -> None:
         """A step, a collect or a decode raised: fail what was in flight, and stop if the device is gone."""
@@ -568,6 +601,7 @@ class EngineCore:
         self._specs.pop(rid, None)
         self._sampling.pop(rid, None)
         self._trailing.pop(rid, None)
+        self._held.pop(rid, None)
         if error is not None:
             self.stats.errors += 1
             if not isinstance(error, Qwen3TTSAgentError):

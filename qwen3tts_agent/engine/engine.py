@@ -104,6 +104,7 @@ class Engine(EngineFrontend):
         backend: str = "auto",
         prefix_cache: bool = True,
         staged_prefill: bool = False,
+        speculative_first_frame: bool = True,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -117,7 +118,11 @@ class Engine(EngineFrontend):
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
         way (the "torch" backend; the CPU backends prefill every head). `staged_prefill` (opt-in): with
         the prefix cache on a GPU, a one-token text part runs as the talker's Triton decode step in a staging
-        cache instead of a prompt graph (docs/engine.md says what has been verified of it)."""
+        cache instead of a prompt graph (docs/engine.md says what has been verified of it).
+        `speculative_first_frame`: a stream whose text arrives in pieces runs its first frame on the second
+        text token as the text stands, holding the audio until that token is final (and starting over in the
+        rare case it changes), so the first frame does not wait for the third token; the audio that leaves is
+        that of the final text either way (`engine/scheduler.py`)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -133,7 +138,7 @@ class Engine(EngineFrontend):
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
-            prefix_cache=prefix_cache, staged_prefill=staged_prefill,
+            prefix_cache=prefix_cache, staged_prefill=staged_prefill, speculative_first_frame=speculative_first_frame,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
@@ -280,6 +285,8 @@ class Engine(EngineFrontend):
             errors=base.errors + now.errors,
             steps=base.steps + now.steps,
             steps_deferred=base.steps_deferred + now.steps_deferred,
+            speculations=base.speculations + now.speculations,
+            speculation_misses=base.speculation_misses + now.speculation_misses,
             late_chunks=scheduler.stats.late_chunks,
             underrun_seconds=scheduler.stats.underrun_seconds,
             overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),

@@ -103,6 +103,8 @@ class EngineStats:
     errors: int
     steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes (deadline-aware pacing)
+    speculations: int = 0  # first frames run on a tentative text token (`Engine(speculative_first_frame=...)`)
+    speculation_misses: int = 0  # ... whose token turned out different, so the stream started over
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
@@ -302,9 +304,9 @@ class EngineFrontend:
             return len(self._streams)
 
     # ----------------------------------------------------------------- the streams' side (any thread)
-    def _stream_text(self, stream: SpeechStream, ids: list[int]) -> None:
-        if ids:
-            self._send(AppendText(stream.id, tuple(ids)))
+    def _stream_text(self, stream: SpeechStream, ids: list[int], tentative: list[int]) -> None:
+        if ids or tentative:
+            self._send(AppendText(stream.id, tuple(ids), tuple(tentative)))
 
     def _stream_close(self, stream: SpeechStream, ids: list[int]) -> None:
         self._send(CloseInput(stream.id, tuple(ids)))

@@ -46,7 +46,7 @@ def encode_request(message: CoreRequest) -> list[bytes]:
     if isinstance(message, AddRequest):
         return [ADD, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
     if isinstance(message, AppendText):
-        return [TEXT, pack([message.request_id, list(message.token_ids)])]
+        return [TEXT, pack([message.request_id, list(message.token_ids), list(message.tentative)])]
     if isinstance(message, CloseInput):
         return [CLOSE, pack([message.request_id, list(message.token_ids)])]
     return [ABORT, pack(message.request_id)]
@@ -59,8 +59,8 @@ def decode_request(kind: bytes, payload: bytes) -> CoreRequest:
             raise ValueError("an add message must carry an AddRequest")
         return message
     if kind == TEXT:
-        rid, ids = unpack(payload)
-        return AppendText(rid, tuple(int(i) for i in ids))
+        rid, ids, tentative = unpack(payload)
+        return AppendText(rid, tuple(int(i) for i in ids), tuple(int(i) for i in tentative))
     if kind == CLOSE:
         rid, ids = unpack(payload)
         return CloseInput(rid, tuple(int(i) for i in ids))

@@ -30,10 +30,12 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AppendText:
-    """Text-track tokens that are final (no later text can change them)."""
+    """Text-track tokens that are final (no later text can change them), and the tokens after them as the
+    text stands now (`tentative`: more text may change them; sent while the first frame may need them)."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    tentative: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

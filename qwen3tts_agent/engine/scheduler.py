@@ -10,6 +10,13 @@ the stream's slack. Chunks due for decoding are handed to the core most urgent f
 by deadline), and a stream whose slack runs short gets its pending frames decoded at once rather than
 waiting to fill its next scheduled chunk. Overload is refused at admission (`overloaded`) while admitted
 streams still have slack, instead of letting every stream starve a little.
+
+Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
+token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
+would wait two token intervals for its first frame. Instead the first frame runs on the second token as the
+text stands (the caller's tentative tokens): its audio is held until the token turns out final and the same
+(`settle_speculation`), and if it turns out different the request starts over in a new slot (`restart`),
+without speculating again. Audio that leaves the core is therefore always the audio of the final text.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .types import FinishReason, TextLayout
+from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason, TextLayout
 
 FRAME_SECONDS = 0.08  # one codec frame of audio
 # The runaway guard (no explicit max_frames): at most this many frames, plus this many per text token.
@@ -75,7 +82,13 @@ class PromptShape:
         if self.icl_codec_len is not None:
             needed = max(0, self.icl_codec_len + 1 - self.ref_text_len)  # the reference span's, plus one
             return n_text >= (min(needed, 1) if self.icl_early_start else needed)
-        return n_text >= 2  # the body's first token, then the second on the text track
+        return n_text >= FIRST_FRAME_TEXT_TOKENS  # the body's first token, then the second on the text track
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether the first frame may run on a tentative second token (the interleaved layout without a
+        reference span; an in-context clone's first frame needs its span's text, which is not speculated)."""
+        return self.layout is not TextLayout.PREFILL and self.icl_codec_len is None
 
 
 @dataclass(eq=False)
@@ -89,6 +102,9 @@ class RequestState:
     max_frames: int | None = None  # the caller's cap
     runaway_guard: bool = True  # bound the frames by the text's length too (off for fixed-length output)
     text_ids: list[int] = field(default_factory=list)  # final target tokens so far
+    tentative: list[int] = field(default_factory=list)  # the tokens after them as the text stands (may change)
+    speculated: int | None = None  # the tentative token its first frame ran on, until it turns out final
+    may_speculate: bool = True  # False after a wrong speculation: the restarted request waits for final text
     closed: bool = False
     slot: int | None = None
     admitted_at: float = 0.0
@@ -186,9 +202,15 @@ class Scheduler:
         eos_token_id: int,
         keep_codes: bool = False,
         adapt_chunks: bool = True,
+        speculate: bool = True,
+        decode_sizes: Iterable[int] = (),
     ) -> None:
         """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
-        than keep to its chunk schedule (which an engine slower than the schedule assumes would starve)."""
+        than keep to its chunk schedule (which an engine slower than the schedule assumes would starve).
+        `speculate`: run a streamed text's first frame on its tentative second token (module docstring).
+        `decode_sizes`: chunk lengths the audio pipeline decodes in one piece (its CUDA graphs); a chunk cut
+        short for a deadline takes the longest of them that its pending frames fill, so it costs one codec
+        call and batches with other streams' chunks of that length (empty: any length)."""
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
@@ -196,6 +218,8 @@ class Scheduler:
         self.eos_token_id = eos_token_id  # the text track's end token (tts_eos)
         self.keep_codes = keep_codes  # every frame's codes stay on the request (parity tests)
         self.adapt_chunks = adapt_chunks
+        self.speculate = speculate
+        self.decode_sizes = sorted(set(decode_sizes))
         self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
         self.running: dict[int, RequestState] = {}  # slot -> request
         self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
@@ -224,14 +248,53 @@ class Scheduler:
         """Whether its outputs still matter (not finished, cancelled or failed)."""
         return self.requests.get(request.request_id) is request
 
-    def append_text(self, request: RequestState, token_ids: Iterable[int]) -> None:
+    def append_text(self, request: RequestState, token_ids: Iterable[int], tentative: Iterable[int] = ()) -> None:
         if request.closed:
             raise ValueError("text after the input was closed")
         request.text_ids.extend(token_ids)
+        request.tentative = list(tentative)
 
     def close_input(self, request: RequestState, token_ids: Iterable[int]) -> None:
         request.text_ids.extend(token_ids)
+        request.tentative = []
         request.closed = True
+
+    def settle_speculation(self, request: RequestState) -> bool | None:
+        """After new text: whether the token a first frame ran on turned out final and the same (True), or
+        not (False: `restart` the request); None while it is still open or nothing was speculated."""
+        token = request.speculated
+        if token is None:
+            return None
+        if len(request.text_ids) > request.consumed:  # the token after the body is final now
+            right = request.text_ids[request.consumed] == token
+        elif request.closed:
+            right = False  # the text ended after the body: the track's first token is the text's end
+        elif request.tentative and request.tentative[0] != token:
+            right = False  # still tentative, but no longer that token
+        else:
+            return None
+        request.speculated = None
+        if right:
+            request.consumed += 1  # on the track already
+        return right
+
+    def restart(self, request: RequestState) -> RequestState:
+        """Start a request over whose speculated first frame was wrong: its slot's cache and text track hold
+        the wrong token, so it takes a new slot (first in line) with the final text so far, and the old
+        state's frames still in flight are dropped (`on_frame` skips a request that has ended)."""
+        fresh = RequestState(
+            request.request_id, request.shape, request.chunk_schedule, request.submitted,
+            max_frames=request.max_frames, runaway_guard=request.runaway_guard, text_ids=list(request.text_ids),
+            tentative=list(request.tentative), may_speculate=False, closed=request.closed,
+            admitted_at=request.admitted_at, text_ready=request.text_ready,
+        )
+        request.finish_reason = FinishReason.CANCELLED
+        self._release(request)
+        if request in self.finishing:
+            self.finishing.remove(request)
+        self.requests[fresh.request_id] = fresh
+        self.waiting.insert(0, fresh)
+        return fresh
 
     def finish(self, request: RequestState, reason: FinishReason) -> None:
         """End a request at once (cancel, error): it leaves every queue; no more of its audio is decoded."""
@@ -260,7 +323,7 @@ class Scheduler:
         while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
             request.slot = heapq.heappop(self._free_slots)
-            request.admitted_at = now
+            request.admitted_at = request.admitted_at or now  # a restarted request keeps its first admission
             self.running[request.slot] = request
             admitted.append(request)
         return admitted
@@ -289,7 +352,8 @@ class Scheduler:
             request.consumed = len(plan.body_ids)
 
     def text_feeds(self) -> list[tuple[RequestState, list[int]]]:
-        """Newly final text (and the text's end, once closed) to append to running requests' text tracks."""
+        """Newly final text (and the text's end, once closed) to append to running requests' text tracks,
+        and the tentative second token of a request whose first frame may run on it (`speculated` is set)."""
         feeds = []
         for request in self.running.values():
             if not request.body_done or request.finish_reason is not None:
@@ -298,9 +362,25 @@ class Scheduler:
             request.consumed = len(request.text_ids)
             if request.closed and not request.eos_fed:
                 ids = [*ids, self.eos_token_id]
+            if not ids and self._speculates(request):
+                request.speculated = request.tentative[0]
+                ids = [request.speculated]
             if ids:
                 feeds.append((request, ids))
         return feeds
+
+    def _speculates(self, request: RequestState) -> bool:
+        """Whether its first frame should run now on the tentative token after its only final one."""
+        return (
+            self.speculate
+            and request.may_speculate
+            and request.shape.may_speculate
+            and request.track_len == 0
+            and request.speculated is None
+            and not request.closed
+            and bool(request.tentative)
+            and len(request.text_ids) == FIRST_FRAME_TEXT_TOKENS - 1
+        )
 
     def track_room(self, request: RequestState, ids: Sequence[int]) -> bool:
         return request.track_len + len(ids) <= self.max_text_tokens
@@ -406,10 +486,20 @@ class Scheduler:
         urgent = self.adapt_chunks and deadline is not None and deadline - now < URGENT_SLACK_S
         if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
             return None
-        n = len(request.pending) if ended or urgent else request.next_chunk_frames
+        if ended:
+            n = len(request.pending)
+        elif urgent:
+            n = self._one_piece(len(request.pending))
+        else:
+            n = request.next_chunk_frames
         start = request.pending_start
         first = request.chunk_index == 0
         return ChunkPlan(request, request.take_pending(n), start, first, ended and not request.pending)
+
+    def _one_piece(self, frames: int) -> int:
+        """The most of `frames` pending frames that one decode takes (the rest wait: they are due later)."""
+        fitting = [size for size in self.decode_sizes if size <= frames]
+        return fitting[-1] if fitting else frames
 
     # ----------------------------------------------------------------- delivery and load
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidTextError, StreamCancelledError
 from .text import IncrementalText, validate_text
-from .types import SAMPLE_RATE, SAMPLES_PER_FRAME, AudioChunk, FinishReason, StreamResult
+from .types import (
+    FIRST_FRAME_TEXT_TOKENS,
+    SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    AudioChunk,
+    FinishReason,
+    StreamResult,
+)
 
 if TYPE_CHECKING:
     from .frontend import EngineFrontend
@@ -63,7 +70,9 @@ class SpeechStream:
                 self.cancel()
                 raise InvalidTextError(f"text longer than {self._max_text_chars} characters")
             ids = self._text.push(delta)
-            self._owner._stream_text(self, ids)
+            # until the first frame's text is final, the core may start that frame on the text as it stands
+            tentative = self._text.tentative() if self._text.committed < FIRST_FRAME_TEXT_TOKENS else []
+            self._owner._stream_text(self, ids, tentative)
 
     def _push_whole(self, text: str) -> None:
         """The whole text, checked by `open_stream`, as ONE message that also closes the input: the core never

@@ -101,6 +101,7 @@ class IncrementalText:
         self.chars = 0
         self.blank = True  # only whitespace so far
         self.tokenized_chars = 0  # characters handed to the tokenizer (for the cost test)
+        self.committed = 0  # target-text ids handed out so far
 
     def push(self, delta: str) -> list[int]:
         self._tail += delta
@@ -119,6 +120,15 @@ class IncrementalText:
         self._tail = self._tail[min(start for start, _ in offsets[cut:]) :]
         return self._emit(ids[:cut])
 
+    def tentative(self) -> list[int]:
+        """The uncommitted tail's ids as the text stands now: what `push`/`close` will most likely commit
+        next, though more text may still change them (the core may run a first frame on them, see
+        `Scheduler.speculate`). Costs one tokenization of the tail; changes nothing."""
+        if not self._tail:
+            return []
+        self.tokenized_chars += len(self._tail)
+        return self._tok.encode_plain(self._tail)[0][self._to_skip :]
+
     def close(self) -> list[int]:
         self.tokenized_chars += len(self._tail)
         ids = self._tok.encode_plain(self._tail)[0] if self._tail else []
@@ -128,4 +138,5 @@ class IncrementalText:
     def _emit(self, ids: list[int]) -> list[int]:
         skip = min(self._to_skip, len(ids))
         self._to_skip -= skip
+        self.committed += len(ids) - skip
         return ids[skip:]

@@ -45,6 +45,11 @@ class SamplingParams:
         return cls(**{"do_sample": False, "subtalker_do_sample": False, **overrides})
 
 
+# Final target tokens the interleaved layout's first frame needs: the body's first token, and the second on
+# the text track (what the frontend sends tentative text for until then: `Scheduler.speculate`).
+FIRST_FRAME_TEXT_TOKENS = 2
+
+
 class TextLayout(str, Enum):
     """How the target text meets the codec track (the official `non_streaming_mode`).
 

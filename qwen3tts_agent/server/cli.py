@@ -12,6 +12,8 @@ import uvicorn  # imported here so a missing [server] extra shows when the CLI r
 from .config import ServerConfig, default_voices_dir
 from .connections import connection_protocols
 
+MAX_AUTO_WORKERS = 4
+
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve` on the main CLI's sub-parsers."""
@@ -20,7 +22,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--engine-core", choices=["process", "thread"], default="process",
                    help="run the engine's step loop in a process of its own (default; restarted if it dies) "
                    "or on a thread of the server's process")
-    p.add_argument("--workers", type=int, default=1, help="API worker processes sharing the port (with --engine-core process)")
+    p.add_argument("--workers", default="auto",
+                   help="API worker processes sharing the port (with --engine-core process); 'auto': one per 4 CPU "
+                   "cores, up to 4 (one with --device cpu, whose engine serves few streams)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -103,8 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config.validate()
         max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
-        if args.workers < 1 or (args.workers > 1 and args.engine_core == "thread"):
-            raise ValueError("--workers must be at least 1, and above 1 only with --engine-core process")
+        workers = api_workers(args.workers, engine_core=args.engine_core, device=args.device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -117,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
             engine_kwargs={"max_streams": max_streams, "backend": args.backend}, warmup=config.warmup,
             log_level=args.log_level,
         )
-        return serve(config, launch, workers=args.workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
+        return serve(config, launch, workers=workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
     app = create_app(config, engine_factory=lambda: Engine.load(
         args.model, device=args.device, dtype=args.dtype, max_streams=max_streams, backend=args.backend
     ))
@@ -126,6 +129,20 @@ def run_serve(args: argparse.Namespace) -> int:
     state.on_failure = lambda _exc: setattr(server, "should_exit", True)
     server.run()
     return 1 if state.failure else 0
+
+
+def api_workers(option: str, *, engine_core: str, device: str) -> int:
+    """`--workers`: a number, or "auto". One API worker's event loop (JSON, PCM, WebSocket frames for every
+    session it holds) falls behind a GPU engine at about 20 new utterances a second, so "auto" gives one per
+    4 cores, up to 4; one where they cannot help (an engine core on a thread of the server, or the CPU)."""
+    if option == "auto":
+        if engine_core == "thread" or device == "cpu":
+            return 1
+        return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 1) // 4))
+    workers = int(option)
+    if workers < 1 or (workers > 1 and engine_core == "thread"):
+        raise ValueError("--workers must be at least 1, and above 1 only with --engine-core process")
+    return workers
 
 
 def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
