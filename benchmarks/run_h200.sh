@@ -7,7 +7,8 @@
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
-# LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports), soak (10,000
+# LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
+# adds `serve` options, e.g. "--workers=2"), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
@@ -43,6 +44,8 @@ checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_c
 
 flags=""
 pdl=${NO_PDL:+--no-pdl}
+server_args=()  # LOAD_SERVER_ARGS="--workers=2 ...": extra `serve` options for the load stages
+for a in ${LOAD_SERVER_ARGS:-}; do server_args+=("--server-arg=$a"); done
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -76,13 +79,13 @@ for stage in "$@"; do
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
                official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
-                 --duration ${LOAD_WINDOW:-60} --warmup 5 \
+                 --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log" ;;
     load-0.6b) checkpoint synthetic:0.6b > /dev/null
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
                ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
                official -m benchmarks.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
-                 --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 \
+                 --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
                  --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log" ;;
     cpu-0.6b)

@@ -32,7 +32,10 @@ from typing import Any
 
 from benchmarks.load import free_port
 
-CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: weights ([\d.]+) s, warm-up ([\d.]+) s")
+CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: imports and weights ([\d.]+) s, warm-up ([\d.]+) s")
+# the warm-up's parts, as the core logs them: each graph family's capture, then the warm-up utterance
+CAPTURED = re.compile(r"captured (\d+) ([a-z ]+?) graphs in ([\d.]+) s")
+WARMUP_UTTERANCE = re.compile(r"warm-up utterance: voice ([\d.]+) s, \d+ frames ([\d.]+) s")
 
 
 def _cli(*args: str) -> list[str]:
@@ -76,8 +79,15 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    found = CORE_STARTED.search(log_path.read_text(errors="replace"))
-    core = None if found is None else dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
+    text = log_path.read_text(errors="replace")
+    found = CORE_STARTED.search(text)
+    core: dict[str, Any] | None = None
+    if found is not None:
+        core = dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
+        core["graphs"] = {kind: {"count": int(n), "s": float(s)} for n, kind, s in CAPTURED.findall(text)}
+        utterance = WARMUP_UTTERANCE.search(text)
+        if utterance is not None:
+            core["warmup_voice_s"], core["warmup_utterance_s"] = map(float, utterance.groups())
     return {"ready_s": ready_s, "core": core}
 
 

@@ -5,17 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen3tts_agent.engine.scheduler import (
-    FRAME_SECONDS,
-    LATE_CHUNKS_TO_SHED,
-    LATE_WINDOW_S,
-    URGENT_SLACK_S,
-    PromptShape,
-    RequestState,
-    Scheduler,
-    StepPacer,
-    runaway_frame_limit,
-)
+from qwen3tts_agent.engine.pacer import StepPacer
+from qwen3tts_agent.engine.requests import FRAME_SECONDS, PromptShape, RequestState, runaway_frame_limit
+from qwen3tts_agent.engine.scheduler import LATE_CHUNKS_TO_SHED, LATE_WINDOW_S, URGENT_SLACK_S, Scheduler
 from qwen3tts_agent.engine.types import FinishReason, TextLayout
 
 EOS_TEXT = 999

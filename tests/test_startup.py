@@ -26,6 +26,8 @@ def test_serve_starts_cold_warm_and_prepared_and_reports_its_split(tmp_path: Pat
         # the log gives each figure to 0.1 s, so each is off by up to 0.05 s
         assert core["weights_s"] + core["warmup_s"] <= core["total_s"] + 0.15, case
         assert core["total_s"] <= start["ready_s"] + 0.05, case
+        assert 0 < core["warmup_utterance_s"] <= core["warmup_s"] + 0.05, case  # the warm-up's split
+        assert core["graphs"] == {}, case  # no CUDA graphs on the CPU
 
 
 def test_prepare_on_the_cpu_with_the_pytorch_backend_says_there_is_nothing_to_compile(

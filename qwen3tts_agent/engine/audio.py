@@ -33,7 +33,8 @@ from ..backends import create_codec
 from .cuda_graphs import GraphedCodecDecode, power_of_two_buckets
 from .host import upload
 from .prompt import PromptSpec
-from .scheduler import ChunkPlan, urgency
+from .requests import ChunkPlan
+from .scheduler import urgency
 
 # Primed codec states kept per cloned voice (a few MB each), so a voice's reference codes are decoded once.
 CODEC_STATE_CACHE = 64

@@ -51,11 +51,13 @@ from .messages import (
     ErrorInfo,
     FinishOutput,
 )
+from .pacer import StepPacer
 from .prefixes import PrefixCache
 from .prompt import PromptBuilder, PromptSpec
+from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
-from .scheduler import ChunkPlan, PrefillPlan, PromptShape, RequestState, Scheduler, StepPacer
+from .scheduler import Scheduler
 from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)

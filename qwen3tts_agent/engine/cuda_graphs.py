@@ -175,11 +175,13 @@ class GraphedPrefill:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
+        started = time.perf_counter()
         self._write_pos.fill_(self.runner.max_seq_len)
         for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             inputs = self._inputs(b, t)
             self._graphs[(b, t, k)] = self._capture.capture(functools.partial(self.runner.prefill_forward, *inputs, kv_len=k))
         torch.cuda.synchronize()
+        logger.info("captured %d prefill graphs in %.1f s", len(self.keys), time.perf_counter() - started)
 
     @property
     def captured(self) -> bool:
@@ -224,11 +226,13 @@ class GraphedStagedPrefill:
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every bucket with every row on the staging cache's padding column (no slot changes)."""
+        started = time.perf_counter()
         keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
         for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
             forward = functools.partial(self.runner.staged_prefill_forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
             self._graphs[(b, k)] = self._capture.capture(forward)
         torch.cuda.synchronize()
+        logger.info("captured %d staged prefill graphs in %.1f s", len(keys), time.perf_counter() - started)
 
     @property
     def captured(self) -> bool:
@@ -281,10 +285,12 @@ class GraphedCodecDecode:
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
+        started = time.perf_counter()
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
         for b, t in track(keys, desc="capturing codec graphs", enabled=progress):
             self._graphs[(b, t)] = self._capture.capture(functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t]))
         torch.cuda.synchronize()
+        logger.info("captured %d codec graphs in %.1f s", len(keys), time.perf_counter() - started)
 
     @property
     def captured(self) -> bool:

@@ -304,13 +304,17 @@ class Engine(EngineFrontend):
         if not core.graphs_captured:
             self._graphs_wanted = True
             core.call(lambda: core.capture_graphs(progress)).result()
+        started = time.perf_counter()
         voice = Voice()
         if self.model_type == "base":
             voice = Voice(prompt=self.create_voice(warmup_reference(), "Warm up."))
         elif self.model_type == "custom_voice":
             voice = Voice(speaker=self.speakers[0])
+        encoded = time.perf_counter()
         frames = sum(self.chunk_schedule) + self.chunk_schedule[-1]  # every chunk size of the schedule once
         self.synthesize_blocking("Warm up.", voice=voice, sampling=SamplingParams(max_frames=frames, ignore_eos=True))
+        logger.info("warm-up utterance: voice %.1f s, %d frames %.1f s", encoded - started, frames,
+                    time.perf_counter() - encoded)
 
     def close(self) -> None:
         """Stop the core; open streams end with EngineClosedError."""

@@ -265,7 +265,7 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
             engine.warmup(progress=False)
         server = CoreServer(engine, launch.address)
         server.start()
-        logger.info("engine core started in %.1f s: weights %.1f s, warm-up %.1f s",
+        logger.info("engine core started in %.1f s: imports and weights %.1f s, warm-up %.1f s",
                     time.perf_counter() - started, loaded - started, time.perf_counter() - loaded)
     except BaseException as exc:
         logger.exception("the engine core failed to start")

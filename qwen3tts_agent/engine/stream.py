@@ -70,8 +70,11 @@ class SpeechStream:
                 self.cancel()
                 raise InvalidTextError(f"text longer than {self._max_text_chars} characters")
             ids = self._text.push(delta)
-            # until the first frame's text is final, the core may start that frame on the text as it stands
-            tentative = self._text.tentative() if self._text.committed < FIRST_FRAME_TEXT_TOKENS else []
+            # Until the first frame's text is final, the core may start that frame on the text as it stands. A
+            # delta of letters only is not tokenized (see IncrementalText), nor is the tail here: a word typed
+            # letter by letter would cost O(word) each; the core learns of the change with the next delta.
+            early = self._text.committed < FIRST_FRAME_TEXT_TOKENS and not delta.isalpha()
+            tentative = self._text.tentative() if early else []
             self._owner._stream_text(self, ids, tentative)
 
     def _push_whole(self, text: str) -> None:

@@ -21,7 +21,7 @@ class SamplingParams:
 
     `top_k` must lie in 1..the engine's `top_k_cap` (64 by default) when sampling. `max_frames` caps the
     audio at max_frames * 80 ms (finish reason `max_frames`). The runaway guard also bounds it by the
-    text's length (`scheduler.runaway_frame_limit`, finish reason `length`), since real models can miss
+    text's length (`requests.runaway_frame_limit`, finish reason `length`), since real models can miss
     their end token on short inputs. `ignore_eos` forbids the end token so that every request yields
     exactly `max_frames` frames (fixed-length generation for benchmarks); it turns the guard off.
     """
