@@ -1,7 +1,12 @@
-"""qwen3tts-agent: a real-time streaming Qwen3-TTS engine for voice agents."""
+"""qwen3tts-agent: a real-time streaming Qwen3-TTS engine for voice agents.
+
+`Engine` (which loads torch and the model code) is imported on first use, so the processes that only talk
+to an engine core (`EngineClient`: the server's supervisor and API workers, Pipecat bots) never load torch.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from .engine.client import EngineClient
-from .engine.engine import Engine
 from .engine.frontend import EngineFrontend, EngineStats
 from .engine.stream import SpeechStream
 from .engine.types import (
@@ -33,3 +38,14 @@ __all__ = [
     "VoicePrompt",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .engine.engine import Engine
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Engine":
+        from .engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -155,7 +155,7 @@ def test_trimmed_voice_is_the_official_voice_of_the_trimmed_reference() -> None:
         full = engine.create_voice((wav, sr), text)
         voice = engine.create_voice((wav, sr), text, max_ref_seconds=4.5)
         assert voice.ref_text == trimmed_text and voice.voice_id != full.voice_id
-        assert torch.equal(voice.ref_codes, items[0].ref_code.cpu())
+        assert np.array_equal(voice.ref_codes, items[0].ref_code.cpu().numpy())
         assert voice.ref_codes.shape[0] < full.ref_codes.shape[0]
         _, result = engine.synthesize_blocking(
             TEXT, voice=Voice(prompt=voice), language="english", sampling=SamplingParams.greedy(max_frames=FRAMES)

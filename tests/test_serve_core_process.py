@@ -83,7 +83,8 @@ def _serve(*extra: str) -> subprocess.Popen[bytes]:
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", "synthetic:tiny", "--backend", "torch",
-         "--port", str(port), "--max-streams", "4", "--log-level", "warning", *extra],
+         "--port", str(port), "--max-streams", "4", "--log-level", "warning",
+         *([] if "--workers" in extra else ["--workers", "1"]), *extra],  # one worker: `_core_process` finds the core
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     process.port = port  # type: ignore[attr-defined]
@@ -208,3 +209,17 @@ def test_the_core_never_outlives_its_supervisor(sig: signal.Signals) -> None:
         core.wait(30)  # psutil.TimeoutExpired if the core lives on
     finally:
         _stop(process)
+
+
+def test_only_the_core_process_loads_torch(server: subprocess.Popen[bytes]) -> None:
+    """`serve`'s supervisor and its API workers only pass requests, voices and audio along: they load no
+    torch (seconds at every start, hundreds of MB per worker); the engine core does."""
+
+    def loads_torch(process: psutil.Process) -> bool:
+        return any("torch" in region.path for region in process.memory_maps())
+
+    core = _core_process(server)
+    supervisor = psutil.Process(server.pid)  # with one worker, the app runs in the supervisor's process
+    others = [child for child in supervisor.children(recursive=True) if child.pid != core.pid]
+    assert loads_torch(core)
+    assert not any(loads_torch(p) for p in (supervisor, *others))

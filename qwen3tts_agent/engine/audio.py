@@ -32,7 +32,7 @@ import torch
 from ..backends import create_codec
 from .cuda_graphs import GraphedCodecDecode, power_of_two_buckets
 from .host import upload
-from .prompt import PromptSpec
+from .messages import PromptSpec
 from .requests import ChunkPlan
 from .scheduler import urgency
 

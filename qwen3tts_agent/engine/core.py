@@ -50,10 +50,11 @@ from .messages import (
     CoreRequest,
     ErrorInfo,
     FinishOutput,
+    PromptSpec,
 )
 from .pacer import StepPacer
 from .prefixes import PrefixCache
-from .prompt import PromptBuilder, PromptSpec
+from .prompt import PromptBuilder
 from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP

@@ -39,8 +39,8 @@ from .messages import (
     CoreRequest,
     ErrorInfo,
     FinishOutput,
+    PromptSpec,
 )
-from .prompt import PromptSpec
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer, validate_text
 from .types import AudioChunk, FinishReason, SamplingParams, StreamResult, TextLayout, Voice, VoicePrompt

@@ -11,10 +11,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .prompt import PromptSpec
-from .types import ChunkTimings, FinishReason, SamplingParams
+from .types import ChunkTimings, FinishReason, SamplingParams, TextLayout, VoicePrompt
 
 # --------------------------------------------------------------------------- requests (to the core)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """What a request's prompt depends on, apart from the target text."""
+
+    language_id: int | None  # codec language token; None for "auto"
+    speaker_id: int | None = None  # CustomVoice named speaker token
+    clone: VoicePrompt | None = None  # Base: x-vector (and reference codes in ICL mode)
+    instruct_ids: tuple[int, ...] = ()
+    ref_text_ids: tuple[int, ...] = ()  # ICL reference transcript tokens
+    layout: TextLayout = TextLayout.INTERLEAVED
+    icl_early_start: bool = False  # `Voice.icl_early_start`: not the official prompt (see `PromptBuilder.body`)
+
+    @property
+    def icl(self) -> bool:
+        return self.clone is not None and self.clone.ref_codes is not None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 
 from ..models.compat import OfficialModule
 from .host import upload
+from .messages import PromptSpec
 from .types import TextLayout, VoicePrompt
 
 K = TypeVar("K")
@@ -23,23 +24,6 @@ V = TypeVar("V")
 
 VOICE_CACHE = 64  # cloned voices, and prompt heads, whose tensors stay on the device
 _NOT_ICL = "an in-context prompt needs a cloned voice with reference codes"
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    """What a request's prompt depends on, apart from the target text."""
-
-    language_id: int | None  # codec language token; None for "auto"
-    speaker_id: int | None = None  # CustomVoice named speaker token
-    clone: VoicePrompt | None = None  # Base: x-vector (and reference codes in ICL mode)
-    instruct_ids: tuple[int, ...] = ()
-    ref_text_ids: tuple[int, ...] = ()  # ICL reference transcript tokens
-    layout: TextLayout = TextLayout.INTERLEAVED
-    icl_early_start: bool = False  # `Voice.icl_early_start`: not the official prompt (see `PromptBuilder.body`)
-
-    @property
-    def icl(self) -> bool:
-        return self.clone is not None and self.clone.ref_codes is not None
 
 
 @dataclass(frozen=True)

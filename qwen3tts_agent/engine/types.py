@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:  # the value types stay importable without loading torch
-    import torch
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1_920  # one 12.5 Hz codec frame = 80 ms at 24 kHz
@@ -90,12 +87,13 @@ class VoicePrompt:
     """A reference voice encoded once (speaker embedding, reference codes and text), reusable across requests.
 
     `voice_id` is a content hash of the reference audio, text and mode, so the same reference gives the same id.
-    Tensors live on the CPU; the engine moves them to its device.
+    Its arrays are NumPy's (float32 and int64), so processes that only pass voices along (the server's API
+    workers) never load torch; the engine copies them to its device.
     """
 
     voice_id: str
-    speaker_embedding: torch.Tensor  # [hidden]
-    ref_codes: torch.Tensor | None  # [frames, 16] (ICL mode) or None (x-vector only)
+    speaker_embedding: np.ndarray  # [hidden], float32
+    ref_codes: np.ndarray | None  # [frames, 16], int64 (ICL mode) or None (x-vector only)
     ref_text: str | None
     x_vector_only: bool
 

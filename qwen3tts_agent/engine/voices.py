@@ -8,15 +8,18 @@ import json
 import re
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile as sf
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from ..errors import InvalidReferenceAudioError, InvalidRequestError
-from ..models.compat import OfficialModule
 from .types import VoicePrompt
+
+if TYPE_CHECKING:  # reading and saving voices needs no torch (the server's API workers do just that)
+    from ..models.compat import OfficialModule
 
 AudioInput = str | Path | bytes | tuple[np.ndarray, int]
 
@@ -161,6 +164,9 @@ class VoiceEncoder:
     """Turns references into `VoicePrompt`s through the official `create_voice_clone_prompt`, with a cache."""
 
     def __init__(self, official: OfficialModule) -> None:
+        import torch  # an encoder runs where the model is
+
+        self._inference_mode = torch.inference_mode
         self._official = official
         self._cache: dict[str, VoicePrompt] = {}
         self._lock = threading.Lock()
@@ -174,14 +180,14 @@ class VoiceEncoder:
             cached = self._cache.get(voice_id)
             if cached is not None:
                 return cached
-            with torch.inference_mode():
+            with self._inference_mode():
                 item = self._official.create_voice_clone_prompt(
                     ref_audio=(wav, sr), ref_text=ref_text, x_vector_only_mode=x_vector_only
                 )[0]
             prompt = VoicePrompt(
                 voice_id=voice_id,
-                speaker_embedding=item.ref_spk_embedding.detach().float().cpu(),
-                ref_codes=None if item.ref_code is None else item.ref_code.detach().long().cpu(),
+                speaker_embedding=item.ref_spk_embedding.detach().float().cpu().numpy(),
+                ref_codes=None if item.ref_code is None else item.ref_code.detach().long().cpu().numpy(),
                 ref_text=ref_text,
                 x_vector_only=x_vector_only,
             )
@@ -191,9 +197,9 @@ class VoiceEncoder:
 
 def save_voice(prompt: VoicePrompt, path: str | Path) -> None:
     """Write a voice prompt as safetensors (no pickle), so a server can reload registrations safely."""
-    tensors = {"speaker_embedding": prompt.speaker_embedding.contiguous()}
+    tensors = {"speaker_embedding": np.ascontiguousarray(prompt.speaker_embedding, dtype=np.float32)}
     if prompt.ref_codes is not None:
-        tensors["ref_codes"] = prompt.ref_codes.contiguous()
+        tensors["ref_codes"] = np.ascontiguousarray(prompt.ref_codes, dtype=np.int64)
     meta = {"format": _VOICE_FORMAT, "voice_id": prompt.voice_id, "x_vector_only": prompt.x_vector_only}
     if prompt.ref_text is not None:
         meta["ref_text"] = prompt.ref_text
@@ -202,9 +208,7 @@ def save_voice(prompt: VoicePrompt, path: str | Path) -> None:
 
 def load_voice(path: str | Path) -> VoicePrompt:
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="np") as handle:
             meta = json.loads((handle.metadata() or {})["voice"])
         tensors = load_file(str(path))
     except Exception as exc:

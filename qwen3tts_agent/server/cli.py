@@ -100,9 +100,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 for bad settings, 1 if the model failed to load."""
-    from ..engine.engine import Engine
-    from .app import create_app
-
     config = server_config_from_args(args)
     try:
         config.validate()
@@ -121,6 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
         )
         return serve(config, launch, workers=workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
+    from ..engine.engine import Engine  # the engine core on a thread of this process
+    from .app import create_app
+
     app = create_app(config, engine_factory=lambda: Engine.load(
         args.model, device=args.device, dtype=args.dtype, max_streams=max_streams, backend=args.backend
     ))
