@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import Engine, EngineFrontend, SamplingParams, SpeechStream, StreamResult, Voice, VoicePrompt
+from . import EngineFrontend, SamplingParams, SpeechStream, StreamResult, Voice, VoicePrompt
 from .errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -276,7 +276,7 @@ class Qwen3TTSService(TTSService):
                 raise UnknownVoiceError(
                     f"unknown voice {voice!r}: not a registered name nor a saved voice file"
                 )
-            self._voices[voice] = await asyncio.to_thread(Engine.load_voice, voice)
+            self._voices[voice] = await asyncio.to_thread(EngineFrontend.load_voice, voice)
         return self._voices[voice]
 
     async def _pump(self, utterance: _Utterance) -> None:
