@@ -11,7 +11,10 @@ started in it), then a drain.
     python -m benchmarks.load --model synthetic:1.7b-customvoice --rates 1 20 40 80 --out load.json
     python -m benchmarks.load --url ws://127.0.0.1:8000 --rates 5 --duration 10     # a running server
 
-The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window.
+The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window. With
+`--profile SECONDS` (a server started here, py-spy installed), the engine core and every API worker are
+sampled from the window's start (`benchmarks/profiling.py`): where each thread's time went goes into the
+report, the raw stacks into `--profile-dir`.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -287,7 +292,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     raise RuntimeError(f"serve was not ready within {args.startup_timeout} s")
 
 
-def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, held: int = 0) -> dict[str, object]:
+def run_rate(
+    args: argparse.Namespace, url: str, rate: float, transport: str, held: int = 0, server_pid: int | None = None
+) -> dict[str, object]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
     start_at = time.monotonic() + 2.0  # every client process is up by then
@@ -303,6 +310,8 @@ def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, he
     before = scrape(url, args.api_key)
     for c in clients:
         c.start()
+    profile = _ProfileWindow(args, server_pid, f"{transport}-{held}-held" if held else f"{transport}-{rate:g}")
+    profile.start_at(start_at + args.warmup)
     records: list[Record] = []
     for _ in clients:
         records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
@@ -316,7 +325,43 @@ def run_rate(args: argparse.Namespace, url: str, rate: float, transport: str, he
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
                    server_metrics={k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)},
                    server_gauges_after={k: v for k, v in after.items() if not _cumulative(k)})
+    if profile.enabled:
+        summary["profile"] = profile.result()
     return summary
+
+
+class _ProfileWindow:
+    """py-spy over the server's processes from the window's start (`--profile`); a no-op without it."""
+
+    def __init__(self, args: argparse.Namespace, server_pid: int | None, name: str) -> None:
+        self.enabled = bool(args.profile) and server_pid is not None
+        self._seconds = min(args.profile, args.duration)
+        self._server_pid = server_pid
+        self._dir = args.profile_dir / name
+        self._py_spy = args.py_spy
+        self._thread: threading.Thread | None = None
+        self._outcome: dict[str, object] = {}
+
+    def start_at(self, when: float) -> None:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, args=(when,), daemon=True)
+            self._thread.start()
+
+    def _run(self, when: float) -> None:
+        from benchmarks import profiling
+
+        time.sleep(max(0.0, when - time.monotonic()))
+        try:
+            assert self._server_pid is not None
+            recorders = profiling.start(profiling.serve_processes(self._server_pid), self._seconds, self._dir, self._py_spy)
+            self._outcome = profiling.finish(recorders, self._dir, timeout=self._seconds + 60)
+        except Exception as exc:  # noqa: BLE001 - a failed profile is reported, the measurement stands
+            self._outcome = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def result(self) -> dict[str, object]:
+        if self._thread is not None:
+            self._thread.join(self._seconds + 90)
+        return {"seconds": self._seconds, "raw_dir": str(self._dir), "processes": self._outcome}
 
 
 def print_summary(summary: dict[str, object]) -> None:
@@ -325,6 +370,12 @@ def print_summary(summary: dict[str, object]) -> None:
           f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
           f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
     print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
+
+
+def _py_spy() -> str:
+    """py-spy on the PATH, else beside this interpreter (a virtual environment's bin/)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else "py-spy")
 
 
 def main() -> None:
@@ -347,7 +398,15 @@ def main() -> None:
     parser.add_argument("--voice")
     parser.add_argument("--language", default="english")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=float, default=0.0,
+                        help="sample the server's processes with py-spy for this many seconds of each window")
+    parser.add_argument("--profile-dir", type=Path, help="raw py-spy stacks (default: beside --out)")
+    parser.add_argument("--py-spy", default=_py_spy(), help="the py-spy executable")
     args = parser.parse_args()
+    if args.profile_dir is None:
+        args.profile_dir = args.out.with_suffix("") if args.out else Path("load-profile")
+    if args.profile and args.url:
+        parser.error("--profile needs the server started here (not --url)")
 
     server = None
     url = args.url
@@ -363,12 +422,12 @@ def main() -> None:
             rates = args.http_rates if transport == "http" and args.http_rates is not None else args.rates
             for rate in rates:
                 print(f"[{time.strftime('%H:%M:%S')}] {transport} at {rate:g} req/s ...", flush=True)
-                summary = run_rate(args, url, rate, transport)
+                summary = run_rate(args, url, rate, transport, server_pid=server.pid if server else None)
                 report["runs"].append(summary)  # type: ignore[union-attr]
                 print_summary(summary)
             for held in args.held:
                 print(f"[{time.strftime('%H:%M:%S')}] {transport}, {held} streams held ...", flush=True)
-                summary = run_rate(args, url, 0.0, transport, held=held)
+                summary = run_rate(args, url, 0.0, transport, held=held, server_pid=server.pid if server else None)
                 report["runs"].append(summary)  # type: ignore[union-attr]
                 print_summary(summary)
         if args.out:

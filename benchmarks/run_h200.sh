@@ -8,7 +8,8 @@
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
-# adds `serve` options, e.g. "--workers=2"), soak (10,000
+# adds `serve` options, e.g. "--workers=2"; LOAD_PROFILE=SECONDS samples the core and the API workers with
+# py-spy from .whl/tools in each window: benchmarks/profiling.py), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
@@ -46,6 +47,11 @@ flags=""
 pdl=${NO_PDL:+--no-pdl}
 server_args=()  # LOAD_SERVER_ARGS="--workers=2 ...": extra `serve` options for the load stages
 for a in ${LOAD_SERVER_ARGS:-}; do server_args+=("--server-arg=$a"); done
+if [ -n "${LOAD_PROFILE:-}" ]; then  # py-spy from .whl/tools: each window's profile in the report, raw stacks tarred
+  [ -x /tmp/py-spy/bin/py-spy ] || $install --target /tmp/py-spy .whl/tools/py_spy-*.whl || exit 1
+  server_args+=(--profile "$LOAD_PROFILE" --py-spy /tmp/py-spy/bin/py-spy)
+fi
+tar_profile() { [ -d "$out/$1" ] && tar czf "$out/$1-profile.tgz" -C "$out" "$1" && rm -rf "${out:?}/$1"; }
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -80,14 +86,16 @@ for stage in "$@"; do
                official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
                  --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
-                 --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log" ;;
+                 --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log"
+               tar_profile load-1.7b ;;
     load-0.6b) checkpoint synthetic:0.6b > /dev/null
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
                ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
                official -m benchmarks.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
-                 --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log" ;;
+                 --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log"
+               tar_profile load-0.6b ;;
     cpu-0.6b)
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend with
       # ONNX Runtime's threads spinning between ops (dedicated cores); docs/cpu-backend.md
