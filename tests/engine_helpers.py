@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from qwen3tts_agent import Engine
+from qwen3tts_agent import Engine, Voice
 from qwen3tts_agent.models.loading import load_official_model
 from qwen3tts_agent.reference import demo_reference
 
@@ -34,6 +34,11 @@ def engine_for(spec: str, **kwargs: object) -> Engine:
 def reference_audio(seconds: float = 3.0) -> tuple[np.ndarray, int]:
     wav, sr = demo_reference()
     return wav[: int(seconds * sr)], sr
+
+
+def xvector_voice(engine: Engine) -> Voice:
+    """An x-vector clone of the demo reference: the voice with no reference span to wait for."""
+    return Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.engine.requests import runaway_frame_limit
 from qwen3tts_agent.errors import EngineDeadError, EngineNotReadyError, InvalidTextError
-from tests.engine_helpers import TEXT, engine_for, reference_audio
+from tests.engine_helpers import TEXT, engine_for, reference_audio, xvector_voice
 
 SHORT = SamplingParams(max_frames=4, ignore_eos=True)
 
@@ -28,7 +28,7 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def voice(engine: Engine) -> Voice:
-    return Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
+    return xvector_voice(engine)
 
 
 def speak(engine: Engine, voice: Voice, text: str = "Next turn.") -> int:

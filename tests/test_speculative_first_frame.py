@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from qwen3tts_agent import Engine, SamplingParams, Voice
-from tests.engine_helpers import engine_for, reference_audio
+from qwen3tts_agent import Engine, EngineStats, SamplingParams, SpeechStream, Voice
+from tests.engine_helpers import engine_for, xvector_voice
 
 SAMPLING = SamplingParams.greedy(max_frames=24)
 
@@ -24,7 +24,7 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def voice(engine: Engine) -> Voice:
-    return Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
+    return xvector_voice(engine)
 
 
 def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -39,14 +39,21 @@ def _whole_codes(engine: Engine, voice: Voice, text: str) -> list[list[int]]:
     return engine.synthesize_blocking(text, voice=voice, sampling=SAMPLING)[1].codes
 
 
+def _speculating(engine: Engine, voice: Voice, second: str, **options: object) -> tuple[SpeechStream, EngineStats]:
+    """A stream given "Hello" (final once `second` begins) and `second` (tentative), once its first frame has
+    run on `second`; with the engine's stats from before it opened."""
+    before = engine.stats()
+    stream = engine.open_stream(voice=voice, sampling=SAMPLING, **options)  # type: ignore[arg-type]
+    stream.push_text("Hello")
+    stream.push_text(second)
+    _wait_for(lambda: engine.stats().frames_generated > before.frames_generated, "the speculative first frame")
+    return stream, before
+
+
 def test_the_first_frame_runs_before_its_token_is_final_and_its_audio_waits_for_it(engine: Engine, voice: Voice) -> None:
     text = "Hello there, friend. How are you?"
     whole = _whole_codes(engine, voice, text)
-    before = engine.stats()
-    stream = engine.open_stream(voice=voice, sampling=SAMPLING, chunk_schedule=(1,))
-    stream.push_text("Hello")
-    stream.push_text(" there")  # "Hello" is final; " there" only as the text stands
-    _wait_for(lambda: engine.stats().frames_generated > before.frames_generated, "the speculative first frame")
+    stream, before = _speculating(engine, voice, " there", chunk_schedule=(1,))  # " there" may still grow
     assert engine.stats().speculations == before.speculations + 1
     chunks = stream.chunks(timeout=0.3)
     with pytest.raises(TimeoutError):  # its audio is held: " there" may still grow
@@ -64,11 +71,7 @@ def test_the_first_frame_runs_before_its_token_is_final_and_its_audio_waits_for_
 def test_a_token_that_changes_starts_the_stream_over_with_the_final_text(engine: Engine, voice: Voice) -> None:
     text = "Hello world again, my friend."
     whole = _whole_codes(engine, voice, text)
-    before = engine.stats()
-    stream = engine.open_stream(voice=voice, sampling=SAMPLING, chunk_schedule=(1,))
-    stream.push_text("Hello")
-    stream.push_text(" wor")  # the first frame runs on " wor" ...
-    _wait_for(lambda: engine.stats().frames_generated > before.frames_generated, "the speculative first frame")
+    stream, before = _speculating(engine, voice, " wor", chunk_schedule=(1,))  # the first frame runs on " wor" ...
     stream.push_text("ld")  # ... which is " world" now (letters only: the core learns it with the next piece)
     stream.push_text(" again")
     _wait_for(lambda: engine.stats().speculation_misses > before.speculation_misses, "the restart")
@@ -81,11 +84,7 @@ def test_a_token_that_changes_starts_the_stream_over_with_the_final_text(engine:
 
 
 def test_a_cancel_while_the_first_frame_is_held_ends_the_stream_cleanly(engine: Engine, voice: Voice) -> None:
-    before = engine.stats()
-    stream = engine.open_stream(voice=voice, sampling=SAMPLING)
-    stream.push_text("Hello")
-    stream.push_text(" there")
-    _wait_for(lambda: engine.stats().frames_generated > before.frames_generated, "the speculative first frame")
+    stream, _ = _speculating(engine, voice, " there")
     stream.cancel()
     assert list(stream.chunks(timeout=30)) == []
     _wait_for(lambda: engine.stats().active_streams == 0, "the slot to be free")

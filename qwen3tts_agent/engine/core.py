@@ -557,7 +557,8 @@ class EngineCore:
             if not self.scheduler.is_live(request):
                 continue  # cancelled, failed or restarted meanwhile: nothing more for it
             if request.speculated is not None:  # its first frame's text token may still change
-                self._held.setdefault(request.request_id, []).append((plan, pcm.copy()))
+                # the view keeps its decode's host buffer (one per decode, never reused) alive until delivery
+                self._held.setdefault(request.request_id, []).append((plan, pcm))
                 continue
             self._deliver_chunk(plan, pcm)
         if progressed:

@@ -233,10 +233,10 @@ class Scheduler:
     def _speculates(self, request: RequestState) -> bool:
         """Whether its first frame should run now on the tentative token after its only final one."""
         return (
-            self.speculate
+            request.track_len == 0  # false for every stream past its first frame: checked first (a hot loop)
+            and self.speculate
             and request.may_speculate
             and request.shape.may_speculate
-            and request.track_len == 0
             and request.speculated is None
             and not request.closed
             and bool(request.tentative)
