@@ -3,7 +3,8 @@
 Measures what a deployment's callers feel, the way nari-qwen3-tts and SGLang-Omni report their serving
 figures: requests arrive at a fixed mean rate whatever the server does (open loop), from several client
 processes of their own; each request is a fixed-length utterance; first audio is timed at the client,
-from the `flush` sent (WebSocket) or the request sent (HTTP) to the first PCM bytes received. Each client
+from the `flush` sent (WebSocket, on a session opened before) or the request sent (HTTP, on a client process's
+pool of keep-alive connections, as an SDK keeps them) to the first PCM bytes received. Each client
 plays what it receives at real time from the first PCM on, with no extra buffer: a stream underruns when
 its playback starves for more than 10 ms in all. Per rate: a warm-up, then a measured window (requests
 started in it), then a drain.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -36,8 +38,12 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import httpx
 
 TEXT = (
     "Thanks for calling. I can help you change your booking today; could you tell me the reference "
@@ -134,9 +140,7 @@ async def ws_request(plan: ClientPlan, record: Record) -> None:
         record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
 
 
-async def http_request(plan: ClientPlan, record: Record) -> None:
-    import httpx
-
+async def http_request(plan: ClientPlan, record: Record, client: httpx.AsyncClient) -> None:
     url = plan.url.replace("ws://", "http://").replace("wss://", "https://") + "/v1/audio/speech"
     body = {"model": "qwen3-tts", "input": TEXT, "response_format": "pcm", "language": plan.language,
             "sampling": {"max_frames": plan.frames, "ignore_eos": True}}
@@ -144,26 +148,35 @@ async def http_request(plan: ClientPlan, record: Record) -> None:
         body["voice"] = plan.voice
     headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
     playback = Playback()
-    async with httpx.AsyncClient(timeout=120) as client:
-        sent = time.monotonic()
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                detail = json.loads(await response.aread()).get("error", {})
-                raise RuntimeError(f"{detail.get('code')}: {detail.get('message')}")
-            leftover = 0
-            async for piece in response.aiter_bytes():
-                now = time.monotonic()
-                if record.first_audio_s is None:
-                    record.first_audio_s = now - sent
-                samples, leftover = divmod(leftover + len(piece), 2)
-                playback.receive(now, samples)
-        record.done_s = time.monotonic() - sent
+    sent = time.monotonic()
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            detail = json.loads(await response.aread()).get("error", {})
+            raise RuntimeError(f"{detail.get('code')}: {detail.get('message')}")
+        leftover = 0
+        async for piece in response.aiter_bytes():
+            now = time.monotonic()
+            if record.first_audio_s is None:
+                record.first_audio_s = now - sent
+            samples, leftover = divmod(leftover + len(piece), 2)
+            playback.receive(now, samples)
+    record.done_s = time.monotonic() - sent
     record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
 
 
 async def run_client(plan: ClientPlan) -> list[Record]:
+    if plan.transport == "ws":
+        return await _run_requests(plan, ws_request)
+    import httpx
+
+    # one pool per client process, its connections kept alive between requests (no limit on their number)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        return await _run_requests(plan, functools.partial(http_request, client=client))
+
+
+async def _run_requests(plan: ClientPlan, request) -> list[Record]:  # noqa: ANN001
     rng = random.Random(plan.seed)
-    request = ws_request if plan.transport == "ws" else http_request
     if plan.held:
         await asyncio.gather(*(held_loop(plan, request, rng.uniform(0, 2.0)) for _ in range(plan.held)))
         return plan.records
@@ -262,7 +275,23 @@ def _cumulative(name: str) -> bool:
     if name.endswith("_created"):
         return False
     return any(mark in name for mark in ("_total", "_sum", "_count", "loop_seconds", "frames_generated", "steps",
-                                         "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors"))
+                                         "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors",
+                                         "codec_decodes", "codec_chunks"))
+
+
+def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float | None]:
+    """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
+    the mean rows per batched step (first-frame steps apart) and the mean chunks per codec call."""
+    steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
+    first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
+    frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
+    return {
+        "steps_per_s": steps / seconds,
+        "first_frame_steps_per_s": first / seconds,
+        "mean_step_batch": (frames - first) / (steps - first) if steps > first else None,  # a first-frame step: ~1 row
+        "codec_decodes_per_s": decodes / seconds,
+        "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
+    }
 
 
 def free_port() -> int:
@@ -307,7 +336,7 @@ def run_rate(
         ), results))
         for i in range(args.clients)
     ]
-    before = scrape(url, args.api_key)
+    before, scraped = scrape(url, args.api_key), time.monotonic()
     for c in clients:
         c.start()
     profile = _ProfileWindow(args, server_pid, f"{transport}-{held}-held" if held else f"{transport}-{rate:g}")
@@ -317,13 +346,14 @@ def run_rate(
         records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
     for c in clients:
         c.join()
-    after = scrape(url, args.api_key)
+    after, elapsed = scrape(url, args.api_key), time.monotonic() - scraped
     window = (start_at + args.warmup, start_at + total)
     summary = summarize(records, window)
     if held:
         summary["held_streams"] = held
+    metrics = {k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)}
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
-                   server_metrics={k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)},
+                   engine=engine_figures(metrics, elapsed), server_metrics=metrics,
                    server_gauges_after={k: v for k, v in after.items() if not _cumulative(k)})
     if profile.enabled:
         summary["profile"] = profile.result()
@@ -370,6 +400,14 @@ def print_summary(summary: dict[str, object]) -> None:
           f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
           f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
     print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
+    engine = {k: None if v is None else round(v, 1) for k, v in summary["engine"].items()}  # type: ignore[attr-defined]
+    print(f"  engine: {json.dumps(engine)}", flush=True)
+
+
+def write_report(args: argparse.Namespace, report: dict[str, object]) -> None:
+    """Write the report so far (after every run: a run cut short by a time limit keeps the ones before)."""
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
 
 
 def _py_spy() -> str:
@@ -425,13 +463,13 @@ def main() -> None:
                 summary = run_rate(args, url, rate, transport, server_pid=server.pid if server else None)
                 report["runs"].append(summary)  # type: ignore[union-attr]
                 print_summary(summary)
+                write_report(args, report)
             for held in args.held:
                 print(f"[{time.strftime('%H:%M:%S')}] {transport}, {held} streams held ...", flush=True)
                 summary = run_rate(args, url, 0.0, transport, held=held, server_pid=server.pid if server else None)
                 report["runs"].append(summary)  # type: ignore[union-attr]
                 print_summary(summary)
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=2))
+                write_report(args, report)
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)

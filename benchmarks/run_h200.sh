@@ -8,7 +8,8 @@
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
-# adds `serve` options, e.g. "--workers=2"; LOAD_PROFILE=SECONDS samples the core and the API workers with
+# adds `serve` options, e.g. "--workers=2"; LOAD_TAG suffixes the reports' names (a second run beside the
+# first, e.g. LOAD_TAG=-hold0 LOAD_SERVER_ARGS=--codec-hold-ms=0); LOAD_PROFILE=SECONDS samples the core and the API workers with
 # py-spy from .whl/tools in each window: benchmarks/profiling.py), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
@@ -86,16 +87,18 @@ for stage in "$@"; do
                official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
                  --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
-                 --server-log "$out/serve-1.7b.log" --out "$out/load-1.7b.json" 2>&1 | tee "$out/load-1.7b.log"
-               tar_profile load-1.7b ;;
+                 --server-log "$out/serve-1.7b${LOAD_TAG:-}.log" --out "$out/load-1.7b${LOAD_TAG:-}.json" 2>&1 \
+                 | tee "$out/load-1.7b${LOAD_TAG:-}.log"
+               tar_profile "load-1.7b${LOAD_TAG:-}" ;;
     load-0.6b) checkpoint synthetic:0.6b > /dev/null
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
                ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
                official -m benchmarks.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
-                 --server-log "$out/serve-0.6b.log" --out "$out/load-0.6b.json" 2>&1 | tee "$out/load-0.6b.log"
-               tar_profile load-0.6b ;;
+                 --server-log "$out/serve-0.6b${LOAD_TAG:-}.log" --out "$out/load-0.6b${LOAD_TAG:-}.json" 2>&1 \
+                 | tee "$out/load-0.6b${LOAD_TAG:-}.log"
+               tar_profile "load-0.6b${LOAD_TAG:-}" ;;
     cpu-0.6b)
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend with
       # ONNX Runtime's threads spinning between ops (dedicated cores); docs/cpu-backend.md

@@ -163,13 +163,18 @@ def core_process(replica: str) -> int:
     """The pid of a replica's engine-core process (its child started through multiprocessing's spawn)."""
     actor = ray.get_actor(REPLICA_ACTOR_PREFIX + replica, namespace="serve")
     pid = ray.get(actor.__ray_call__.remote(lambda _replica: os.getpid()), timeout=30)
-    children = [
-        int(child) for task in os.listdir(f"/proc/{pid}/task")
-        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-    ]
-    cores = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    children = [int(child) for task in os.listdir(f"/proc/{pid}/task") for child in _read_proc(f"{pid}/task/{task}/children").split()]
+    cores = [c for c in children if "spawn_main" in _read_proc(f"{c}/cmdline")]
     assert len(cores) == 1, (pid, children)
     return cores[0]
+
+
+def _read_proc(path: str) -> str:
+    """A /proc file's text, or "" if its thread or process ended since it was listed (threads come and go)."""
+    try:
+        return Path(f"/proc/{path}").read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def process_gone(pid: int) -> bool:

@@ -42,10 +42,11 @@ def start(scheduler: Scheduler, request: RequestState, text: list[int], *, close
 def step(scheduler: Scheduler, now: float, eos: set[int] = frozenset()) -> list:  # type: ignore[assignment]
     """Launch and complete one step; slots in `eos` sample the end token. Returns the chunk plans."""
     rows = scheduler.runnable()
+    slots = [r.slot for r in rows]
     seq = scheduler.on_launched(rows)
     codes = np.arange(SLOTS * 16).reshape(SLOTS, 16) + 1000 * seq
     finished = np.array([1 if slot in eos else 0 for slot in range(SLOTS)])
-    plans = scheduler.on_frame(rows, codes, finished, now)
+    plans = scheduler.on_frame(rows, slots, codes, finished, now)
     scheduler.on_step_done(seq)
     return plans
 
@@ -155,12 +156,12 @@ def test_a_frame_in_flight_for_an_ended_stream_is_dropped_and_its_slot_waits_for
     seq1 = scheduler.on_launched(first)
     seq2 = scheduler.on_launched(scheduler.runnable())  # queued behind the first
     codes, finished = np.zeros((1, 16), dtype=np.int64), np.array([1])
-    scheduler.on_frame(first, codes, finished, 0.02)  # EOS in the first step
+    scheduler.on_frame(first, [0], codes, finished, 0.02)  # EOS in the first step
     scheduler.on_step_done(seq1)
     assert r.finish_reason is FinishReason.EOS and r.frames == 1
     scheduler.add(make_request("next"))
     assert scheduler.admit(0.03) == []  # the second step may still hold slot 0
-    assert scheduler.on_frame(first, codes, np.array([0]), 0.04) == []  # its frame is dropped
+    assert scheduler.on_frame(first, [0], codes, np.array([0]), 0.04) == []  # its frame is dropped
     scheduler.on_step_done(seq2)
     assert [x.slot for x in scheduler.admit(0.05)] == [0]
 
@@ -320,6 +321,7 @@ def test_a_wrong_speculation_starts_the_request_over_without_speculating_again()
     _prefill(scheduler)
     scheduler.on_fed(r, scheduler.text_feeds()[0][1])
     rows = scheduler.runnable()
+    slots = [x.slot for x in rows]
     seq = scheduler.on_launched(rows)
     scheduler.append_text(r, [], tentative=[9])  # ... became " world"
     assert scheduler.settle_speculation(r) is False
@@ -327,7 +329,7 @@ def test_a_wrong_speculation_starts_the_request_over_without_speculating_again()
     assert scheduler.get("r") is fresh and not scheduler.is_live(r) and scheduler.waiting == [fresh]
     assert fresh.text_ids == [5] and fresh.tentative == [9] and fresh.slot is None and fresh.track_len == 0
     codes = np.zeros((SLOTS, 16), dtype=np.int64)
-    assert scheduler.on_frame(rows, codes, np.zeros(SLOTS), 0.02) == [] and r.frames == 0  # the old frame is dropped
+    assert scheduler.on_frame(rows, slots, codes, np.zeros(SLOTS), 0.02) == [] and r.frames == 0  # the old frame is dropped
     scheduler.on_step_done(seq)
     _prefill(scheduler)
     assert fresh.slot is not None and fresh.body_done
@@ -371,3 +373,92 @@ def test_a_chunk_cut_short_for_its_deadline_is_as_long_as_one_codec_call_takes()
             assert step(scheduler, 0.001 * i) == []
         plans = step(scheduler, 0.08 - URGENT_SLACK_S / 2)
         assert [p.n_frames for p in plans] == [expected] and len(r.pending) == 7 - expected
+
+
+def _prefill_all(scheduler: Scheduler, now: float) -> None:
+    """Run every ready prompt piece and feed the text that follows, as the core does each turn."""
+    for plan in scheduler.prefill_plans():
+        scheduler.on_prefilled(plan, 10, now)
+        if plan.body_ids is not None:
+            scheduler.on_fed(plan.request, plan.body_ids[1:] + [EOS_TEXT])
+    for r, ids in scheduler.text_feeds():
+        scheduler.on_fed(r, ids)
+
+
+def test_under_load_a_new_stream_takes_a_first_frame_slot_steps_alone_then_moves_above() -> None:
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    early = [make_request(f"early{i}") for i in range(2)]
+    for r in early:
+        start(scheduler, r, [5, 6])
+    assert [r.slot for r in early] == [0, 1]  # light load: the lowest slots, to stay
+    step(scheduler, 0.0)
+    busy = [make_request(f"busy{i}") for i in range(2)]
+    for r in busy:
+        start(scheduler, r, [5, 6])
+    assert [r.slot for r in busy] == [2, 3]  # under load, but no first-frame slot is free: the lowest above
+    assert scheduler.first_frame_rows() == []
+    step(scheduler, 0.01, eos={0, 1})  # the early streams end: their slots are first-frame slots again
+    assert all(r.finish_reason is FinishReason.EOS for r in early)
+
+    new = make_request("new")
+    start(scheduler, new, [5, 6], now=0.02)
+    assert new.slot == 0 and scheduler.first_frame_rows() == [new]
+    seq = scheduler.on_launched([new])  # its first frame, in a step of the first-frame slots alone
+    assert scheduler.first_frame_rows() == []
+    moves = scheduler.moves()  # before the next step: to the lowest free slot above them
+    assert moves == [(new, 0, 4)] and new.slot == 4 and scheduler.running[4] is new and 0 not in scheduler.running
+    assert scheduler.moves() == []
+    after = make_request("after")
+    start(scheduler, after, [5, 6], now=0.03)
+    assert after.slot == 1  # slot 0 waits for the step after the move (its copies read slot 0)
+    codes, finished = np.arange(8 * 16).reshape(8, 16), np.zeros(8)
+    plans = scheduler.on_frame([new], [0], codes, finished, 0.03)  # read from the slot it had in that step
+    assert new.frames == 1 and [p.codes.tolist() for p in plans] == [[codes[0].tolist()]]
+    scheduler.on_step_done(seq)
+    rows = scheduler.runnable()
+    assert new in rows and after in rows and new.slot == 4
+    big = scheduler.on_launched(rows)
+    scheduler.on_step_done(big)
+    other = make_request("other")
+    start(scheduler, other, [5, 6], now=0.04)
+    assert other.slot == 0  # free again once that step completed
+
+
+def test_a_first_frame_slot_stream_stays_while_no_slot_above_is_free() -> None:
+    scheduler = make_scheduler(max_slots=3, max_prefill_rows=8, first_frame_slots=1)
+    a, b = make_request("a"), make_request("b")
+    start(scheduler, a, [5, 6])
+    step(scheduler, 0.0)
+    start(scheduler, b, [5, 6])
+    assert b.slot == 1  # under load; slot 0 is a's
+    step(scheduler, 0.01, eos={0})
+    c, d = make_request("c"), make_request("d")
+    start(scheduler, c, [5, 6], now=0.02)
+    start(scheduler, d, [5, 6], now=0.02)
+    assert (c.slot, d.slot) == (0, 2)
+    scheduler.on_launched(scheduler.first_frame_rows())
+    assert scheduler.moves() == [] and c.slot == 0  # every slot above is taken: c stays, and steps in place
+    scheduler.finish(d, FinishReason.CANCELLED)
+    scheduler.on_steps_abandoned()
+    assert [(r.request_id, old, new) for r, old, new in scheduler.moves()] == [("c", 0, 2)]
+
+
+def test_first_frame_slots_must_leave_slots_above_them() -> None:
+    with pytest.raises(ValueError):
+        make_scheduler(max_slots=4, first_frame_slots=4)
+
+
+
+@pytest.mark.parametrize("stepping, first_frame", [(2, False), (3, True)])
+def test_first_frame_slots_wait_for_their_load(stepping: int, first_frame: bool) -> None:
+    """Below `first_frame_load` streams stepping, a new stream takes the lowest free slot to stay in it."""
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2, first_frame_load=3)
+    running = [make_request(f"r{i}") for i in range(stepping + 1)]
+    for r in running:
+        start(scheduler, r, [5, 6])
+    step(scheduler, 0.0)
+    scheduler.finish(running[0], FinishReason.CANCELLED)  # slot 0 is free at once: no step in flight
+    new = make_request("new")
+    start(scheduler, new, [5, 6], now=0.01)
+    assert new.slot == 0
+    assert scheduler.first_frame_rows() == ([new] if first_frame else [])

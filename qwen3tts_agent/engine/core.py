@@ -41,6 +41,7 @@ from ..errors import (
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline
 from .cuda_graphs import GraphedFrameStep, GraphedPrefill, GraphedStagedPrefill, power_of_two_buckets
+from .lanes import LanePriorities
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -59,6 +60,7 @@ from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .runner import PrefillRow
 from .sampling import DEFAULT_TOP_K_CAP
 from .scheduler import Scheduler
+from .steps import FrameSteps
 from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,15 +104,9 @@ class CoreConfig:
     prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
     staged_prefill: bool = False  # one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
     speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
-
-
-@dataclass
-class _InFlightStep:
-    seq: int
-    rows: list[RequestState]
-    host: torch.Tensor  # pinned copy of the runner's frame_out: 16 codes, then the EOS flag, per slot
-    started: torch.cuda.Event | None
-    done: torch.cuda.Event | None
+    codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
+    first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
+    first_frame_load: int = 0  # ... from this many streams stepping
 
 
 @dataclass
@@ -120,9 +116,12 @@ class CoreStats:
     cancels: int = 0
     errors: int = 0
     steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
+    first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
     speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
     speculation_misses: int = 0  # ... whose token turned out different: the request started over
+    codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
+    codec_chunks: int = 0  # chunks they decoded
 
 
 class EngineCore:
@@ -149,35 +148,41 @@ class EngineCore:
         self.pacer = StepPacer()
         cuda = self.device.type == "cuda"
         graphed = cuda and config.use_cuda_graphs
+        self.stats = CoreStats()
+        lanes = LanePriorities.of_device() if cuda else None
         self.audio = AudioPipeline(
             model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
             chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec, backend=config.backend,
+            hold_s=config.codec_hold_s, priorities=lanes, on_decode=self._count_decode,
         )
         self.scheduler = Scheduler(
             max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
             max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
             adapt_chunks=config.adapt_chunks, speculate=config.speculative_first_frame,
-            decode_sizes=self.audio.decode_sizes,
+            decode_sizes=self.audio.decode_sizes, first_frame_slots=config.first_frame_slots,
+            first_frame_load=config.first_frame_load,
         )
-        # Steps and prompts run on streams of the highest priority, so codec work only fills their gaps; the
-        # prompt lane is separate from the steps' stream, so a new prompt runs beside the step in flight.
+        # Prompts run above the steps and the steps above the codec lane (engine/lanes.py), so codec work only
+        # fills the steps' gaps; the prompt lane is separate from the steps' stream, so a new prompt runs
+        # beside the step in flight.
         self._step_stream: torch.cuda.Stream | None = None
         self._prefill_stream: torch.cuda.Stream | None = None
-        if cuda:
-            _, highest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a staticmethod, typed as a method
-            self._step_stream = torch.cuda.Stream(self.device, priority=highest)
-            self._prefill_stream = torch.cuda.Stream(self.device, priority=highest)
+        if lanes is not None:
+            self._step_stream = torch.cuda.Stream(self.device, priority=lanes.steps)
+            self._prefill_stream = torch.cuda.Stream(self.device, priority=lanes.urgent)
+            logger.info("lane priorities: prompts and early chunks %d, steps %d, later chunks %d",
+                        self._prefill_stream.priority, self._step_stream.priority, lanes.background)
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
         self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
         # decoded audio of a first frame run on a tentative token, until the token turns out final
         self._held: dict[str, list[tuple[ChunkPlan, np.ndarray]]] = {}
-        self._frame_graphs: GraphedFrameStep | None = None
+        frame_graphs: GraphedFrameStep | None = None
         self._prefill_graphs: GraphedPrefill | None = None
         self._staged_graphs: GraphedStagedPrefill | None = None
         if graphed:
             kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
-            self._frame_graphs = GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets)
+            frame_graphs = GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets)
             self._prefill_graphs = GraphedPrefill(
                 self.runner,
                 power_of_two_buckets(min(MAX_PREFILL_ROWS, config.max_streams)),
@@ -187,15 +192,8 @@ class EngineCore:
             )
             if getattr(self.runner, "stage_rows", 0):
                 self._staged_graphs = GraphedStagedPrefill(self.runner, (16, 32, 64))
-        pin = cuda
-        groups = self.runner.num_groups
-        self._host_out = [torch.zeros(config.max_streams, groups + 1, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
-        self._host_active = [torch.zeros(config.max_streams, dtype=torch.bool, pin_memory=pin) for _ in range(3)]
-        self._active_slots: list[int] | None = None  # the slots `runner.active` holds, so unchanged ones aren't re-sent
-        self._out_index = 0
-        self._in_flight: list[_InFlightStep] = []
+        self.steps = FrameSteps(self.runner, frame_graphs, self.device, config.max_streams)
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
-        self.stats = CoreStats()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
         self._failures = 0
         self._stopping = False
@@ -213,9 +211,13 @@ class EngineCore:
     def stop(self) -> None:
         self._messages.put(_Control(None, None))
 
+    def _count_decode(self, chunks: int) -> None:
+        self.stats.codec_decodes += 1
+        self.stats.codec_chunks += chunks
+
     def capture_graphs(self, progress: bool) -> None:
         """Capture every CUDA graph (frame, prefill, staged prefill, both codec lanes); on the core's thread."""
-        for graphs in (self._frame_graphs, self._prefill_graphs):
+        for graphs in (self.steps.graphs, self._prefill_graphs):
             if graphs is not None:
                 graphs.capture(progress=progress)
         if self._staged_graphs is not None:
@@ -229,7 +231,7 @@ class EngineCore:
 
     @property
     def graphs_captured(self) -> bool:
-        return self._frame_graphs is None or self._frame_graphs.captured
+        return self.steps.graphs is None or self.steps.graphs.captured
 
     def open_requests(self) -> int:
         return len(self.scheduler.requests)
@@ -279,7 +281,7 @@ class EngineCore:
 
     def _wait(self) -> None:
         """Nothing moved this turn: wait for a message, briefly while the device works, else until one comes."""
-        busy = bool(self._in_flight) or self.audio.busy or bool(self.scheduler.runnable())
+        busy = bool(self.steps) or self.audio.busy or bool(self.scheduler.runnable())
         self._apply_messages(block=True, timeout=self.config.poll_interval_s if busy else None)
 
     def _apply_messages(self, *, block: bool, timeout: float | None = None) -> None:
@@ -477,6 +479,24 @@ class EngineCore:
 
     # ----------------------------------------------------------------- steps
     def _launch(self) -> bool:
+        """Queue the steps now due: new streams' first frames at once (under load, in first-frame slots), and
+        one frame for every runnable request when the pacer says the device is about to need it."""
+        first = self._launch_first_frames()
+        return self._launch_step() or first
+
+    def _launch_first_frames(self) -> bool:
+        """A step of the first-frame slots alone, for new streams whose first frame can run, right behind the
+        step in flight instead of behind it and a whole batched step of its own."""
+        if not self.scheduler.first_frame_slots or not self.pacer.may_queue():
+            return False
+        rows = self.scheduler.first_frame_rows()
+        if not rows:
+            return False
+        self._queue_step(rows, time.perf_counter())
+        self.stats.first_frame_steps += 1
+        return True
+
+    def _launch_step(self) -> bool:
         """Queue one frame for every runnable request, when the pacer says the device is about to need it."""
         now = time.perf_counter()
         if not self.pacer.may_launch(now):
@@ -487,69 +507,50 @@ class EngineCore:
         if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
             return False
-        runner = self.runner
-        slots = sorted(r.slot for r in rows if r.slot is not None)  # runnable rows always hold a slot
-        b = slots[-1] + 1
-        kv_len = max(r.position for r in rows) + 1
-        # three host buffers (for the active flags and the results): one being read, up to two steps in flight
-        index = self._out_index
-        self._out_index = (index + 1) % len(self._host_out)
-        if slots != self._active_slots:
-            active = self._host_active[index].numpy()  # the pinned buffer itself: one write, not an op per row
-            active[:] = False
-            active[slots] = True
-            runner.active.copy_(self._host_active[index], non_blocking=True)
-            self._active_slots = slots
-        started = done = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
-        graphs = self._frame_graphs
-        if graphs is not None and graphs.captured:
-            b, kv_len = graphs.bucket(b, kv_len)
-            graphs(b, kv_len)
-        else:
-            in_batch = [self._sampling[r.request_id] for r in self.scheduler.running.values() if r.slot < b]  # type: ignore[operator]
-            runner.frame_step(
-                b, kv_len,
-                talker_sampling=any(s.do_sample for s in in_batch),
-                predictor_sampling=any(s.subtalker_do_sample for s in in_batch),
-            )
-        host = self._host_out[index]
-        host[:b].copy_(runner.frame_out[:b], non_blocking=True)
-        if started is not None:
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-        seq = self.scheduler.on_launched(rows)
-        if started is None:  # no device events: the step ran synchronously, now is its end
-            self.scheduler.record_step_time(time.perf_counter() - now)
-        self.pacer.launched(b, now)
-        self.stats.steps += 1
-        self._in_flight.append(_InFlightStep(seq, rows, host, started, done))
+        for request, old, new in self.scheduler.moves():  # out of first-frame slots, right before this step
+            self.runner.move_slot(old, new, request.position, request.track_len)
+        self._queue_step(rows, now)
         return True
+
+    def _queue_step(self, rows: list[RequestState], now: float) -> None:
+        slots: list[int] = []
+        for request in rows:
+            assert request.slot is not None  # runnable rows always hold a slot
+            slots.append(request.slot)
+        kv_len = max(r.position for r in rows) + 1
+        step = self.steps.queue(self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below)
+        if step.done is None:  # no device events: the step ran synchronously, now is its end
+            self.scheduler.record_step_time(time.perf_counter() - now)
+        self.pacer.launched(step.bucket, now)
+        self.stats.steps += 1
+
+    def _sampling_below(self, b: int) -> tuple[bool, bool]:
+        """Whether any request in slots [0, b) samples its talker token, and its predictor codes."""
+        in_batch = [self._sampling[r.request_id] for r in self.scheduler.running.values() if r.slot is not None and r.slot < b]
+        return any(s.do_sample for s in in_batch), any(s.subtalker_do_sample for s in in_batch)
 
     def _collect(self) -> bool:
         """Read every completed step (oldest first) and start decoding the chunks that are due."""
         progressed = False
-        while self._in_flight and (self._in_flight[0].done is None or self._in_flight[0].done.query()):
-            step = self._in_flight.pop(0)
-            gpu_seconds = None if step.started is None else step.started.elapsed_time(step.done) / 1000  # type: ignore[arg-type]
+        for step in self.steps.completed():
+            gpu_seconds = step.device_seconds()
             self.pacer.completed(gpu_seconds)
             if gpu_seconds is not None:
                 self.scheduler.record_step_time(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
-            plans = self.scheduler.on_frame(step.rows, out[:, :-1], out[:, -1], now)
+            plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
             self.scheduler.on_step_done(step.seq)
             self._failures = 0  # a step came through: the device works
             if plans:
-                self.audio.decode(plans, now)
+                self.audio.decode(plans, now, self._audio_streams())
             progressed = True
         return progressed
 
     def _deliver(self) -> bool:
-        """Hand decoded chunks to their requests; end requests whose last chunk this was."""
+        """Hand decoded chunks to their requests; end requests whose last chunk this was; launch the codec-lane
+        decodes now due (a held chunk falls due by the clock alone)."""
         progressed = False
         for plan, pcm in self.audio.finished():
             progressed = True
@@ -561,9 +562,11 @@ class EngineCore:
                 self._held.setdefault(request.request_id, []).append((plan, pcm))
                 continue
             self._deliver_chunk(plan, pcm)
-        if progressed:
-            self.audio.pump(time.perf_counter())  # the codec lane has room again
-        return progressed
+        return self.audio.pump(time.perf_counter(), self._audio_streams()) or progressed
+
+    def _audio_streams(self) -> int:
+        """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""
+        return len(self.scheduler.running) + len(self.scheduler.finishing)
 
     def _deliver_chunk(self, plan: ChunkPlan, pcm: np.ndarray) -> None:
         request = plan.request
@@ -583,7 +586,7 @@ class EngineCore:
     def _step_failed(self, exc: Exception) -> None:
         """A step, a collect or a decode raised: fail what was in flight, and stop if the device is gone."""
         logger.exception("engine step failed; failing the requests in it")
-        self._in_flight.clear()
+        self.steps.clear()
         self.pacer.clear()
         self.audio.clear()
         self.scheduler.on_steps_abandoned()

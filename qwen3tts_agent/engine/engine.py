@@ -45,6 +45,16 @@ RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before restarting a dead core, and
 AUTO_STREAMS_CPU = 16
 AUTO_STREAMS_MAX = 256
 AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the slots' caches and state
+# How long a later chunk may wait for other streams' chunks on a GPU (`codec_hold_s`): about the time the
+# other streams take to cut theirs (8 frames at a few ms a step), well inside the slack of a stream ahead
+# of its listener (a chunk falls due anyway 150 ms before its listener would run out, `audio.LAUNCH_SLACK_S`).
+GPU_CODEC_HOLD_S = 0.05
+# Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest four is about
+# a lone stream's, and four arrivals within one batched step are rare below a hundred new streams a second.
+FIRST_FRAME_SLOTS = 4
+# From how many streams stepping at once they are used: where a batched step runs the 32-row graphs, which
+# take well over a first-frame step (docs/performance.md); below that the extra step costs about what it saves.
+FIRST_FRAME_STEP_LOAD = 24
 
 
 def resident_bytes() -> int:
@@ -105,6 +115,8 @@ class Engine(EngineFrontend):
         prefix_cache: bool = True,
         staged_prefill: bool = False,
         speculative_first_frame: bool = True,
+        codec_hold_s: float | None = None,
+        first_frame_step_load: int | None = None,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -122,7 +134,14 @@ class Engine(EngineFrontend):
         `speculative_first_frame`: a stream whose text arrives in pieces runs its first frame on the second
         text token as the text stands, holding the audio until that token is final (and starting over in the
         rare case it changes), so the first frame does not wait for the third token; the audio that leaves is
-        that of the final text either way (`engine/scheduler.py`)."""
+        that of the final text either way (`engine/scheduler.py`).
+        `codec_hold_s`: how long a stream's later chunk may wait to be decoded in one codec call with other
+        streams' chunks, while its listener has audio to spare (`engine/codec_queue.py`); default
+        `GPU_CODEC_HOLD_S` on a GPU, 0 (decode as soon as the codec has room) on the CPU.
+        `first_frame_step_load`: from this many streams stepping at once, a new stream's first frame runs in
+        a step of a few low slots of its own, right behind the step in flight, instead of waiting for that
+        step and then a whole batched one (`engine/scheduler.py`); the audio is the same either way. 0: never;
+        None: `FIRST_FRAME_STEP_LOAD` on a GPU with the "torch" backend and over that many slots, else never."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -139,6 +158,8 @@ class Engine(EngineFrontend):
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
             prefix_cache=prefix_cache, staged_prefill=staged_prefill, speculative_first_frame=speculative_first_frame,
+            codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
+            **self._first_frame_step(first_frame_step_load, max_streams),
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
@@ -156,6 +177,19 @@ class Engine(EngineFrontend):
         self._core_lock = threading.Lock()
         self.core = EngineCore(model, self._role_ids, self._config, self)
         self._thread = self._start(self.core)
+
+    def _first_frame_step(self, load: int | None, max_streams: int) -> dict[str, int]:
+        """The core's first-frame settings for `Engine(first_frame_step_load=...)`."""
+        if load is None:
+            usable = self.device.type == "cuda" and self.backend == "torch" and max_streams > FIRST_FRAME_STEP_LOAD
+            load = FIRST_FRAME_STEP_LOAD if usable else 0
+        if load < 0:
+            raise ValueError(f"first_frame_step_load must not be negative, got {load}")
+        if not load:
+            return {}
+        if self.backend != "torch" or max_streams <= FIRST_FRAME_SLOTS:
+            raise ValueError(f"a first-frame step needs the torch backend and more than {FIRST_FRAME_SLOTS} slots")
+        return {"first_frame_slots": FIRST_FRAME_SLOTS, "first_frame_load": load}
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -287,6 +321,9 @@ class Engine(EngineFrontend):
             steps_deferred=base.steps_deferred + now.steps_deferred,
             speculations=base.speculations + now.speculations,
             speculation_misses=base.speculation_misses + now.speculation_misses,
+            first_frame_steps=base.first_frame_steps + now.first_frame_steps,
+            codec_decodes=base.codec_decodes + now.codec_decodes,
+            codec_chunks=base.codec_chunks + now.codec_chunks,
             late_chunks=scheduler.stats.late_chunks,
             underrun_seconds=scheduler.stats.underrun_seconds,
             overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),

@@ -102,9 +102,12 @@ class EngineStats:
     cancels: int
     errors: int
     steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
+    first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (`Engine(first_frame_step=)`)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes (deadline-aware pacing)
     speculations: int = 0  # first frames run on a tentative text token (`Engine(speculative_first_frame=...)`)
     speculation_misses: int = 0  # ... whose token turned out different, so the stream started over
+    codec_decodes: int = 0  # batched codec calls (codec_chunks / codec_decodes is the mean batch)
+    codec_chunks: int = 0  # audio chunks those calls decoded
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)

@@ -27,6 +27,11 @@ class StepPacer:
         end = self.expected_end()
         return end is None or now >= end - self.margin_s
 
+    def may_queue(self) -> bool:
+        """Whether another step may be queued behind those in flight, whenever they end (a new stream's first
+        frame goes right behind the step in flight, `Scheduler.first_frame_rows`)."""
+        return len(self._in_flight) < self.max_in_flight
+
     def expected_end(self) -> float | None:
         """When the last queued step should finish; None if a queued bucket was never measured."""
         end = float("-inf")

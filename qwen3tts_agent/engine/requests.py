@@ -145,9 +145,22 @@ class ChunkPlan:
     request: RequestState
     codes: np.ndarray  # [n, 16]
     frame_start: int
-    is_first: bool
+    index: int  # the stream's chunks before it
     is_last: bool
+    planned_at: float  # when the scheduler cut it (time.perf_counter())
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
 
     @property
     def n_frames(self) -> int:
         return int(self.codes.shape[0])
+
+
+def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
+    """The order chunks are decoded in: first chunks first (oldest request first), then the earliest deadline."""
+    if plan.is_first:
+        return (0, plan.request.submitted)
+    deadline = plan.request.deadline()
+    return (1, deadline if deadline is not None else now)

@@ -289,6 +289,20 @@ class ModelRunner:
             raise ValueError(f"prefix entry {entry} of {length} positions does not fit the prefix store")
         self.kv_cache[:, :, slot, :, :length].copy_(self.prefix_kv[:, :, entry, :, :length])
 
+    def move_slot(self, src: int, dst: int, positions: int, text_tokens: int) -> None:
+        """Move a slot's decode state to another slot, which then carries on the stream exactly as `src`
+        would have: its cache positions [0, positions) of every layer, its first `text_tokens` text-track
+        embeddings, every per-slot table and the state between frames. Asynchronous device copies on the
+        current stream, so they follow the steps queued before them; `src` is free afterwards."""
+        if positions:
+            self.kv_cache[:, :, dst, :, :positions].copy_(self.kv_cache[:, :, src, :, :positions])
+        if text_tokens:
+            self.text_embeds[dst, :text_tokens].copy_(self.text_embeds[src, :text_tokens])
+        for table in (self._slot_ints, self._slot_floats, self._slot_flags):
+            table[:, dst].copy_(table[:, src])
+        for state in (self.code0, self.p_input, self.seen):  # the next frame's inputs and the penalty mask
+            state[dst].copy_(state[src])
+
     # ----------------------------------------------------------------- the model maths
     def text_track_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         return self.text_projection(self.text_embedding(ids))

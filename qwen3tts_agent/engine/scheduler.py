@@ -11,6 +11,13 @@ by deadline), and a stream whose slack runs short gets its pending frames decode
 waiting to fill its next scheduled chunk. Overload is refused at admission (`overloaded`) while admitted
 streams still have slack, instead of letting every stream starve a little.
 
+First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
+a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
+flight and then a whole step of its own. Under load (`first_frame_load` streams stepping or more), a new
+stream therefore takes one of the lowest `first_frame_slots` slots, and its first frame runs in a step of
+those slots alone (`first_frame_rows`), queued right behind the step in flight; before the next step its
+state moves to a slot above them (`moves`), which frees its first-frame slot for the next arrival.
+
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
 would wait two token intervals for its first frame. Instead the first frame runs on the second token as the
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .requests import FRAME_SECONDS, ChunkPlan, PrefillPlan, RequestState
+from .requests import FRAME_SECONDS, ChunkPlan, PrefillPlan, RequestState, urgency
 from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 
 # A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
@@ -65,13 +72,18 @@ class Scheduler:
         adapt_chunks: bool = True,
         speculate: bool = True,
         decode_sizes: Iterable[int] = (),
+        first_frame_slots: int = 0,
+        first_frame_load: int = 0,
     ) -> None:
         """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
         than keep to its chunk schedule (which an engine slower than the schedule assumes would starve).
         `speculate`: run a streamed text's first frame on its tentative second token (module docstring).
         `decode_sizes`: chunk lengths the audio pipeline decodes in one piece (its CUDA graphs); a chunk cut
         short for a deadline takes the longest of them that its pending frames fill, so it costs one codec
-        call and batches with other streams' chunks of that length (empty: any length)."""
+        call and batches with other streams' chunks of that length (empty: any length).
+        `first_frame_slots`: how many of the lowest slots new streams take under load, to run their first
+        frame in a step of their own (module docstring); 0 for none. `first_frame_load`: the streams stepping
+        from which they do (at least `first_frame_slots`)."""
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
@@ -81,6 +93,11 @@ class Scheduler:
         self.adapt_chunks = adapt_chunks
         self.speculate = speculate
         self.decode_sizes = sorted(set(decode_sizes))
+        if not 0 <= first_frame_slots < max_slots:
+            raise ValueError(f"first_frame_slots must be in [0, {max_slots}), got {first_frame_slots}")
+        self.first_frame_slots = first_frame_slots
+        self.first_frame_load = max(first_frame_slots, first_frame_load)
+        self._first_frame: list[RequestState] = []  # requests in first-frame slots, until they move
         self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
         self.running: dict[int, RequestState] = {}  # slot -> request
         self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
@@ -167,6 +184,8 @@ class Scheduler:
 
     def _release(self, request: RequestState) -> None:
         """Give the slot back, for reuse once no step in flight can hold it."""
+        if request in self._first_frame:
+            self._first_frame.remove(request)
         if request.slot is not None:
             self.running.pop(request.slot, None)
             if self._launched_steps <= self._completed_steps:
@@ -179,15 +198,25 @@ class Scheduler:
 
     # ----------------------------------------------------------------- admission and prompts
     def admit(self, now: float) -> list[RequestState]:
-        """Give waiting requests free slots, oldest first, at most a prefill batch of them per call."""
+        """Give waiting requests free slots, oldest first, at most a prefill batch of them per call: the lowest
+        free slot, which under load is a first-frame slot while one is free (module docstring)."""
         admitted: list[RequestState] = []
+        if not (self.waiting and self._free_slots):
+            return admitted  # the usual turn: nothing to admit (and no count of the streams stepping)
+        under_load = bool(self.first_frame_slots) and self._stepping() >= self.first_frame_load
         while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
             request.slot = heapq.heappop(self._free_slots)
+            if under_load and request.slot < self.first_frame_slots:
+                self._first_frame.append(request)
             request.admitted_at = request.admitted_at or now  # a restarted request keeps its first admission
             self.running[request.slot] = request
             admitted.append(request)
         return admitted
+
+    def _stepping(self) -> int:
+        """Streams that have had a frame step and are not finished: the rows of the next step."""
+        return sum(1 for request in self.running.values() if request.frames_launched and request.finish_reason is None)
 
     def prefill_plans(self) -> list[PrefillPlan]:
         """Prompt pieces ready to run: heads of admitted requests, and bodies whose text is final enough."""
@@ -254,18 +283,46 @@ class Scheduler:
     # ----------------------------------------------------------------- steps
     def runnable(self) -> list[RequestState]:
         """Requests that can take one more frame now: prompt done, frame budget and cache room left, text known."""
-        rows = []
-        for request in self.running.values():
-            limit = request.frame_limit
-            if (
-                request.body_done
-                and request.finish_reason is None
-                and (limit is None or request.frames_launched < limit)
-                and request.position < self.max_seq_len
-                and (request.eos_fed or request.frames_launched < request.track_len)
-            ):
-                rows.append(request)
-        return rows
+        return [request for request in self.running.values() if self._can_step(request)]
+
+    def _can_step(self, request: RequestState) -> bool:
+        limit = request.frame_limit
+        return (
+            request.body_done
+            and request.finish_reason is None
+            and (limit is None or request.frames_launched < limit)
+            and request.position < self.max_seq_len
+            and (request.eos_fed or request.frames_launched < request.track_len)
+        )
+
+    def first_frame_rows(self) -> list[RequestState]:
+        """Requests in first-frame slots whose first frame can run now, in a step of those slots alone."""
+        return [r for r in self._first_frame if r.frames_launched == 0 and self._can_step(r)]
+
+    def moves(self) -> list[tuple[RequestState, int, int]]:
+        """Move every request in a first-frame slot that has had its first frame to the lowest free slot above
+        those slots: (request, old slot, new slot) for the caller to copy its state, before the next step,
+        which must follow at once (the old slot is reused once that step has completed). A request stays
+        where it is while no such slot is free."""
+        moved = []
+        for request in list(self._first_frame):
+            if request.frames_launched == 0:
+                continue
+            above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
+            if not above:
+                break
+            new = min(above)
+            self._free_slots.remove(new)
+            heapq.heapify(self._free_slots)
+            old = request.slot
+            assert old is not None
+            del self.running[old]
+            self.running[new] = request
+            request.slot = new
+            self._quarantine.append((self._launched_steps + 1, old))
+            self._first_frame.remove(request)
+            moved.append((request, old, new))
+        return moved
 
     def on_launched(self, rows: Sequence[RequestState]) -> int:
         """A step with these rows was queued on the device; returns its sequence number."""
@@ -305,15 +362,15 @@ class Scheduler:
         self.on_step_done(self._launched_steps)
 
     def on_frame(
-        self, rows: Sequence[RequestState], codes: np.ndarray, finished: np.ndarray, now: float
+        self, rows: Sequence[RequestState], slots: Sequence[int], codes: np.ndarray, finished: np.ndarray, now: float
     ) -> list[ChunkPlan]:
-        """A step's results (codes [slots, 16] and end flags [slots], by slot): chunks due, most urgent first.
+        """A step's results (codes [slots, 16] and end flags [slots], by slot; `slots`: each row's slot in
+        that step, which `moves` may have changed since): chunks due, most urgent first.
 
         Requests that ended while the step was in flight (cancel, error) are skipped: their frame is dropped.
         """
-        for request in rows:
-            slot = request.slot
-            if request.finish_reason is not None or slot is None:
+        for request, slot in zip(rows, slots, strict=True):
+            if request.finish_reason is not None or request.slot is None:
                 continue
             if request.frames == 0:
                 request.first_frame = now
@@ -353,9 +410,8 @@ class Scheduler:
             n = self._one_piece(len(request.pending))
         else:
             n = request.next_chunk_frames
-        start = request.pending_start
-        first = request.chunk_index == 0
-        return ChunkPlan(request, request.take_pending(n), start, first, ended and not request.pending)
+        start, index = request.pending_start, request.chunk_index
+        return ChunkPlan(request, request.take_pending(n), start, index, ended and not request.pending, now)
 
     def _one_piece(self, frames: int) -> int:
         """The most of `frames` pending frames that one decode takes (the rest wait: they are due later)."""
@@ -384,11 +440,3 @@ class Scheduler:
 
     def live(self) -> list[RequestState]:
         return list(self.requests.values())
-
-
-def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
-    """First chunks first (oldest request first), then the earliest deadline."""
-    if plan.is_first:
-        return (0, plan.request.submitted)
-    deadline = plan.request.deadline()
-    return (1, deadline if deadline is not None else now)

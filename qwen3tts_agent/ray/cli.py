@@ -66,6 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         dtype=args.dtype,
         max_streams="auto" if args.max_streams == "auto" else int(args.max_streams),
         backend=args.backend,
+        codec_hold_ms=args.codec_hold_ms,
         engine_core=args.engine_core,
         torch_threads=args.torch_threads,
         num_replicas=None if autoscale else args.replicas,

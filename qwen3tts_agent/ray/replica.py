@@ -105,6 +105,8 @@ class EngineReplica:
         """The app's engine factory (run on a worker thread by the app's start-up)."""
         s = self._settings
         engine_kwargs: dict[str, Any] = {"max_streams": s.max_streams, "backend": s.backend}
+        if s.codec_hold_ms is not None:
+            engine_kwargs["codec_hold_s"] = s.codec_hold_ms / 1000
         if s.engine_core == "thread":
             from ..engine.engine import Engine
 

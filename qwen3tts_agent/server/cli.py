@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvicorn  # imported here so a missing [server] extra shows when the CLI registers `serve`
 
@@ -67,6 +68,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
                    help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch + Triton on a GPU), torch, "
                    "int8, fp32; see docs/cpu-backend.md")
+    p.add_argument("--codec-hold-ms", type=float,
+                   help="how long a stream's later audio chunk may wait to be decoded in one codec call with other "
+                   "streams' chunks while its listener has audio to spare (default: 50 on a GPU, 0 on the CPU; "
+                   "0: decode each as soon as the codec has room); docs/server.md")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -98,6 +103,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str, Any]:
+    """The `Engine` keyword arguments the options of `add_server_arguments` set (others keep their defaults)."""
+    options: dict[str, Any] = {"max_streams": max_streams, "backend": args.backend}
+    if args.codec_hold_ms is not None:
+        if args.codec_hold_ms < 0:
+            raise ValueError("--codec-hold-ms must not be negative")
+        options["codec_hold_s"] = args.codec_hold_ms / 1000
+    return options
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 for bad settings, 1 if the model failed to load."""
     config = server_config_from_args(args)
@@ -105,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config.validate()
         max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
         workers = api_workers(args.workers, engine_core=args.engine_core, device=args.device)
+        engine_kwargs = engine_options(args, max_streams)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         launch = CoreLaunch(
             args.model, default_core_address(), device=args.device, dtype=args.dtype,
-            engine_kwargs={"max_streams": max_streams, "backend": args.backend}, warmup=config.warmup,
+            engine_kwargs=engine_kwargs, warmup=config.warmup,
             log_level=args.log_level,
         )
         return serve(config, launch, workers=workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
@@ -122,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     app = create_app(config, engine_factory=lambda: Engine.load(
-        args.model, device=args.device, dtype=args.dtype, max_streams=max_streams, backend=args.backend
+        args.model, device=args.device, dtype=args.dtype, **engine_kwargs
     ))
     server = uvicorn.Server(uvicorn_config(app, config, log_level=args.log_level))
     state = app.state.server

@@ -1,0 +1,95 @@
+"""Which waiting chunks the codec lane decodes next, and when (`CodecQueue`; no tensors).
+
+A graphed codec call costs about the same whatever its batch: the decoder is some 800 small kernels, so
+their launch sequence, not the arithmetic, sets its time (docs/performance.md has the figures). Decoding
+each chunk the moment it is cut therefore spends the device on one-row calls, beside the frame steps. So
+the chunks of the codec lane (every chunk but a stream's first, which has a lane of its own) wait on the
+host while their streams have audio to spare, and go in batches:
+
+- a chunk is *due* once its listener would run out of audio within `launch_slack_s`, once its stream has
+  no audio out yet (no deadline to plan by), or once it has waited `hold_s`; a length's chunks are all due
+  once every live stream has one waiting (nobody is left to wait for) or they fill a call (`max_batch`);
+- a due chunk goes with every other waiting chunk of its length (a codec graph takes one length per call),
+  most urgent first, up to `max_batch`. A stream's chunks go in order, so only each stream's earliest
+  waiting chunk is eligible.
+
+With `hold_s` = 0 every chunk is due at once: the lane decodes as soon as it has room, and a call batches
+only what waited for room meanwhile (the behaviour before this queue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from .requests import ChunkPlan, urgency
+
+
+class CodecQueue:
+    """Chunks waiting for the codec lane, oldest first; `next_batch` says which go now."""
+
+    def __init__(self, *, max_batch: int, hold_s: float, launch_slack_s: float) -> None:
+        if max_batch < 1 or hold_s < 0 or launch_slack_s < 0:
+            raise ValueError("max_batch must be positive, hold_s and launch_slack_s not negative")
+        self.max_batch = max_batch
+        self.hold_s = hold_s
+        self.launch_slack_s = launch_slack_s
+        self._waiting: list[ChunkPlan] = []
+        # While nothing was added, taken or ended: no chunk falls due before this time (the core asks every
+        # turn of its loop, so a queue of hundreds must answer a wait in constant time).
+        self._quiet_until = 0.0
+        self._quiet_streams = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self) -> Iterator[ChunkPlan]:
+        return iter(self._waiting)
+
+    def add(self, plans: Iterable[ChunkPlan]) -> None:
+        self._waiting.extend(plans)
+        self._quiet_until = 0.0
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's waiting chunks (it ended)."""
+        self._waiting = [plan for plan in self._waiting if plan.request.request_id != request_id]
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+    def _falls_due(self, plan: ChunkPlan) -> float:
+        """When a waiting chunk with a deadline falls due by the clock alone."""
+        deadline = plan.request.deadline()
+        hold_end = plan.planned_at + self.hold_s
+        return hold_end if deadline is None else min(hold_end, deadline - self.launch_slack_s)
+
+    def due(self, plan: ChunkPlan, now: float) -> bool:
+        """Whether a waiting chunk should be decoded now rather than wait for others to batch with."""
+        if now - plan.planned_at >= self.hold_s:
+            return True
+        deadline = plan.request.deadline()
+        return deadline is None or deadline - now < self.launch_slack_s
+
+    def next_batch(self, now: float, streams: int) -> list[ChunkPlan]:
+        """Take the chunks to decode in one call now (all of one length), or none while every chunk may wait.
+        `streams`: how many live streams may still cut chunks for this lane."""
+        if now < self._quiet_until and streams >= self._quiet_streams:
+            return []  # fewer streams could complete a group of a length: so the check below runs again
+        eligible: dict[str, ChunkPlan] = {}  # each stream's earliest waiting chunk
+        for plan in self._waiting:
+            eligible.setdefault(plan.request.request_id, plan)
+        by_length: dict[int, list[ChunkPlan]] = {}
+        for plan in eligible.values():
+            by_length.setdefault(plan.n_frames, []).append(plan)
+        full = min(self.max_batch, max(1, streams))
+        due = [plan for plan in eligible.values() if self.due(plan, now)]
+        due += [group[0] for group in by_length.values() if len(group) >= full]
+        if not due:
+            self._quiet_until = min(self._falls_due(plan) for plan in eligible.values())
+            self._quiet_streams = streams
+            return []
+        self._quiet_until = 0.0
+        lead = min(due, key=lambda plan: urgency(plan, now))
+        group = sorted(by_length[lead.n_frames], key=lambda plan: urgency(plan, now))[: self.max_batch]
+        chosen = {id(plan) for plan in group}
+        self._waiting = [plan for plan in self._waiting if id(plan) not in chosen]
+        return group

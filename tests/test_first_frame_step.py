@@ -1,0 +1,59 @@
+"""A new stream's first frame in a step of its own under load (`Engine(first_frame_step_load=...)`), CPU.
+
+Under load a new stream takes a first-frame slot, its first frame runs in a step of those slots alone, and
+its state then moves to a slot above them (`Scheduler.first_frame_rows`, `Scheduler.moves`,
+`ModelRunner.move_slot`). Each stream's codes and audio must be exactly those it gets alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qwen3tts_agent import SamplingParams, Voice
+from tests.engine_helpers import engine_for, xvector_voice
+
+TEXT = "Hello there, how can I help you today?"
+
+
+def _run(engine, voice: Voice, frames: int):  # type: ignore[no-untyped-def]
+    return engine.open_stream(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=frames, ignore_eos=True))
+
+
+def _audio(chunks, first: list | None = None) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return np.concatenate([chunk.pcm for chunk in [*(first or []), *chunks]])
+
+
+def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
+    engine = engine_for("synthetic:tiny", max_streams=12, first_frame_step_load=4)
+    runner = engine.core.runner
+    moves: list[tuple[int, int]] = []
+    move_slot = runner.move_slot
+
+    def spy(src: int, dst: int, positions: int, text_tokens: int) -> None:  # pass-through: records the moves
+        moves.append((src, dst))
+        move_slot(src, dst, positions, text_tokens)
+
+    runner.move_slot = spy  # type: ignore[method-assign]
+    try:
+        voice = xvector_voice(engine)
+        alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
+                 for n in (8, 40, 24)}
+        before = engine.stats()
+        short = [_run(engine, voice, 8) for _ in range(4)]  # the lowest slots, at light load: they stay there
+        first_chunks = short[0].chunks(timeout=120)
+        started = [next(first_chunks)]  # they are stepping now
+        long = [_run(engine, voice, 40) for _ in range(4)]  # under load, no first-frame slot free: slots 4-7
+        short_audio = [_audio(first_chunks, started)] + [_audio(s.chunks(timeout=120)) for s in short[1:]]
+        new = [_run(engine, voice, 24) for _ in range(2)]  # the short ones ended: first-frame slots, then 8 and 9
+        new_audio = [_audio(s.chunks(timeout=120)) for s in new]
+        long_audio = [_audio(s.chunks(timeout=120)) for s in long]
+        after = engine.stats()
+    finally:
+        engine.close()
+    assert after.first_frame_steps > before.first_frame_steps, "no first frame ran in a step of its own"
+    assert len(moves) == 2 and all(src < 4 <= dst for src, dst in moves), moves
+    for streams, audio, frames in ((short, short_audio, 8), (long, long_audio, 40), (new, new_audio, 24)):
+        pcm_alone, result_alone = alone[frames]
+        for stream, pcm in zip(streams, audio, strict=True):
+            assert stream.result.codes == result_alone.codes
+            np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
