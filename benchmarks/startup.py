@@ -34,7 +34,7 @@ from benchmarks.load import free_port
 
 CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: imports and weights ([\d.]+) s, warm-up ([\d.]+) s")
 # the warm-up's parts, as the core logs them: each graph family's capture, then the warm-up utterance
-CAPTURED = re.compile(r"captured (\d+) ([a-z ]+?) graphs in ([\d.]+) s")
+CAPTURED = re.compile(r"captured (\d+) ([a-z -]+?) graphs in ([\d.]+) s")
 WARMUP_UTTERANCE = re.compile(r"warm-up utterance: voice ([\d.]+) s, \d+ frames ([\d.]+) s")
 
 

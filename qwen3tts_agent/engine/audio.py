@@ -115,7 +115,8 @@ class AudioPipeline:
             self._graphs = GraphedCodecDecode(self.codec, live, power_of_two_buckets(max_streams), self.decode_sizes)
             if early_rows:
                 self._early_graphs = GraphedCodecDecode(
-                    self.codec, live + max_streams, power_of_two_buckets(early_rows), set(chunk_schedule[:EARLY_CHUNKS])
+                    self.codec, live + max_streams, power_of_two_buckets(early_rows), set(chunk_schedule[:EARLY_CHUNKS]),
+                    name="early-lane codec",
                 )
 
     def capture(self, progress: bool) -> None:

@@ -224,8 +224,15 @@ def _stop_with_parent(stop: threading.Event) -> None:
     os._exit(0)
 
 
+# transformers imports TensorFlow and JAX when they are installed (many ML images have them), at every start;
+# the core uses neither. These are transformers' own switches, set only where the user has not set them.
+FRAMEWORKS_OFF = {"USE_TF": "0", "USE_FLAX": "0"}
+
+
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
+    for name, value in FRAMEWORKS_OFF.items():
+        os.environ.setdefault(name, value)
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()

@@ -7,6 +7,11 @@ Rows above the live batch inside a bucket are inactive: they compute but change 
 Each family of graphs is captured on a stream of its own. cuBLAS keeps its workspace per (handle, stream) and
 a graph bakes in the capture stream's workspace, so codec graphs replayed beside frame graphs must not
 come from the same capture stream, or they would share a scratch buffer while running at the same time.
+
+Graphs are captured with cuDNN's attention left out of `scaled_dot_product_attention`'s choice: it builds an
+execution plan the first time it meets a shape, and with one shape per graph that set-up was most of the prompt
+and codec graphs' capture time at every start (docs/performance.md, "Start-up"). FlashAttention and the
+memory-efficient kernel, which torch picks otherwise, have no per-shape set-up.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..progress import track
 from .codec import StreamingCodecDecoder
@@ -28,6 +34,9 @@ from .runner import ModelRunner, PrefillRow
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# what `scaled_dot_product_attention` may pick inside a captured graph (the module docstring says why)
+CAPTURE_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def power_of_two_buckets(limit: int, start: int = 1) -> list[int]:
@@ -67,12 +76,13 @@ class GraphCapture:
         if self._side is None:
             self._side = torch.cuda.Stream()
         self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
-            fn()
-        torch.cuda.current_stream().wait_stream(self._side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            out = fn()
+        with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS):
+            with torch.cuda.stream(self._side):
+                fn()
+            torch.cuda.current_stream().wait_stream(self._side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                out = fn()
         if self._pool is None:
             self._pool = graph.pool()
         return graph, out
@@ -270,7 +280,9 @@ class GraphedCodecDecode:
         scratch_start: int,
         batch_buckets: Iterable[int],
         frame_sizes: Iterable[int],
+        name: str = "codec",
     ) -> None:
+        self.name = name  # the family's name in the log (the start-up benchmark reads it)
         self.batch_buckets = sorted(set(batch_buckets))
         largest = self.batch_buckets[-1]
         if codec.max_streams < scratch_start + largest:
@@ -287,10 +299,10 @@ class GraphedCodecDecode:
     def capture(self, progress: bool = True) -> None:
         started = time.perf_counter()
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
-        for b, t in track(keys, desc="capturing codec graphs", enabled=progress):
+        for b, t in track(keys, desc=f"capturing {self.name} graphs", enabled=progress):
             self._graphs[(b, t)] = self._capture.capture(functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t]))
         torch.cuda.synchronize()
-        logger.info("captured %d codec graphs in %.1f s", len(keys), time.perf_counter() - started)
+        logger.info("captured %d %s graphs in %.1f s", len(keys), self.name, time.perf_counter() - started)
 
     @property
     def captured(self) -> bool:
