@@ -1,7 +1,7 @@
 """The kernel tests' own pytest process (tests/test_kernel_suite.py says why they need one), started as soon
 as a session has collected the test that waits for it.
 
-Under Triton's interpreter that process keeps one core busy for minutes, while most of the rest of the suite
+Under Triton's interpreter that process keeps one core busy for minutes, while much of the rest of the suite
 waits on sockets, subprocesses and audio paced in real time; started at collection, it runs beside them
 instead of after them. It gets one thread, so it leaves the other core to the tests beside it.
 """

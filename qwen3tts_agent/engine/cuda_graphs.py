@@ -10,7 +10,7 @@ come from the same capture stream, or they would share a scratch buffer while ru
 
 Graphs are captured with cuDNN's attention left out of `scaled_dot_product_attention`'s choice: it builds an
 execution plan the first time it meets a shape, and with one shape per graph that set-up was most of the prompt
-and codec graphs' capture time at every start (docs/performance.md, "Start-up"). FlashAttention and the
+and codec graphs' capture time at every start (docs/gpu.md, "One engine thread"). FlashAttention and the
 memory-efficient kernel, which torch picks otherwise, have no per-shape set-up.
 """
 
