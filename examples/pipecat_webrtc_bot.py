@@ -56,7 +56,7 @@ from qwen3tts_agent import Engine, SamplingParams, VoicePrompt
 from qwen3tts_agent.pipecat import Qwen3TTSService
 
 SCRIPT = [
-    "Hello! I am a streaming voice bot. Talk over me whenever you like, and I will stop to listen.",
+    "Hello, I am a streaming voice bot. Talk over me whenever you like, and I will stop to listen.",
     "I heard you. My words are generated frame by frame, so when you speak, I stop within a frame.",
     "Thanks for trying me out. This script repeats now, but an LLM can take my place at any time.",
 ]

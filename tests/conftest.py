@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import kernel_suite
-
 KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
-KERNEL_SUITE_TEST = Path(__file__).resolve().parent / "test_kernel_suite.py"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -23,17 +20,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         if path == KERNEL_TESTS or KERNEL_TESTS in path.parents:
             return None
     return True
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the kernel tests' process now if this session runs the test that waits for it
-    (tests/kernel_suite.py)."""
-    if any(item.path == KERNEL_SUITE_TEST for item in session.items):
-        kernel_suite.start()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    kernel_suite.stop()
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,11 @@ FRAME = RATE // 50
 LOUD = 200.0  # int16 RMS of a 20 ms frame above which the bot is talking (its silence decodes to ~0)
 # This much silence ends the bot's speech; shorter gaps are the model running behind real time.
 QUIET_GAP = 0.8
-MAX_FRAMES = 300  # 24 s replies: the caller always cuts in while the engine is still generating
+# The reply's cap. The engine's runaway guard ends each sentence sooner (25 frames + 8 a text token: 73 for the
+# script's first, "Hello, I am a streaming voice bot."), so the caller cuts in soon after the answer starts,
+# while the engine is still generating that sentence.
+MAX_FRAMES = 300
+CUT_IN_AFTER_S = 0.5
 STOP_BOUND_S = 1.0  # barge-in: caller speech onset -> bot audio stops, on 2 shared CPU cores
 REF_TEXT = "This is the voice the bot borrows for its answers."
 
@@ -243,7 +247,7 @@ async def test_barge_in_over_webrtc(
         mic.say(speech_48k(voices["hello"]))
         await wait_for(lambda: len(mic.ends) == 1, 10, "the first question to be spoken")
         first_reply = await wait_for(lambda: speaker.talking_since(mic.ends[0]), 20, "the bot to answer")
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(CUT_IN_AFTER_S)
         assert speaker.stopped_after(first_reply) is None, (
             "the first answer is still playing when the caller cuts in"
         )
