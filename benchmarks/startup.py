@@ -79,16 +79,21 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    text = log_path.read_text(errors="replace")
-    found = CORE_STARTED.search(text)
-    core: dict[str, Any] | None = None
-    if found is not None:
-        core = dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
-        core["graphs"] = {kind: {"count": int(n), "s": float(s)} for n, kind, s in CAPTURED.findall(text)}
-        utterance = WARMUP_UTTERANCE.search(text)
-        if utterance is not None:
-            core["warmup_voice_s"], core["warmup_utterance_s"] = map(float, utterance.groups())
-    return {"ready_s": ready_s, "core": core}
+    return {"ready_s": ready_s, "core": core_split(log_path.read_text(errors="replace"))}
+
+
+def core_split(log: str) -> dict[str, Any] | None:
+    """The engine core's own split of its start, from its log lines (None if it logged no start): seconds
+    in all, to loaded, warming up, each graph family's capture and the warm-up utterance's parts."""
+    found = CORE_STARTED.search(log)
+    if found is None:
+        return None
+    core: dict[str, Any] = dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
+    core["graphs"] = {kind: {"count": int(n), "s": float(s)} for n, kind, s in CAPTURED.findall(log)}
+    utterance = WARMUP_UTTERANCE.search(log)
+    if utterance is not None:
+        core["warmup_voice_s"], core["warmup_utterance_s"] = map(float, utterance.groups())
+    return core
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

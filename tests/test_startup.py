@@ -36,3 +36,16 @@ def test_prepare_on_the_cpu_with_the_pytorch_backend_says_there_is_nothing_to_co
     assert main(["prepare", "--model", "synthetic:tiny", "--device", "cpu", "--backend", "torch", "--max-streams", "2"]) == 0
     out = capsys.readouterr().out
     assert "torch backend, 2 slots" in out and "compiles nothing ahead of time" in out
+
+
+def test_the_split_keeps_each_graph_family_apart() -> None:
+    """The lines a GPU core logs (from the H200 run in benchmarks/results/2026-12-01-h200-d/startup/warm.log):
+    the codec lane's graphs and the early lane's are two families, neither overwriting the other."""
+    log = (Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-01-h200-d/startup/warm.log").read_text()
+    core = startup.core_split(log)
+    assert core is not None
+    assert core["graphs"] == {
+        "frame": {"count": 45, "s": 5.6}, "prefill": {"count": 53, "s": 2.0},
+        "codec": {"count": 36, "s": 4.4}, "early-lane codec": {"count": 10, "s": 0.4},
+    }
+    assert (core["total_s"], core["weights_s"], core["warmup_s"]) == (26.3, 13.3, 13.1)
