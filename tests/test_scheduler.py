@@ -267,6 +267,50 @@ def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None
     assert pacer.may_launch(5.0)
 
 
+def test_the_step_clock_spaces_batched_steps_and_first_frame_steps_do_not_tick_it() -> None:
+    pacer = StepPacer(step_period_s=0.02)
+    assert pacer.clock_due(0.0)  # no batched step yet
+    pacer.launched(8, 1.0)
+    assert not pacer.clock_due(1.019) and pacer.clock_due(1.02)
+    pacer.completed(0.005)
+    pacer.launched(4, 1.01, batched=False)  # a step of new streams' first frames: not a tick
+    assert pacer.clock_due(1.02)
+    assert StepPacer().clock_due(float("-inf"))  # period 0: the clock never holds a step back
+    with pytest.raises(ValueError):
+        StepPacer(step_period_s=-0.01)
+
+
+def test_batched_steps_keep_to_the_clock_under_load_unless_they_carry_a_first_frame() -> None:
+    scheduler = make_scheduler(pace_load=2)
+    a, b, c = make_request("a"), make_request("b"), make_request("c")
+    start(scheduler, a, [5, 6])
+    step(scheduler, 0.0)
+    assert not scheduler.paced(scheduler.runnable())  # one stream stepping: below the load, as fast as it goes
+    start(scheduler, b, [5, 6])
+    assert not scheduler.paced(scheduler.runnable())  # b's first frame is in it: it goes at once
+    step(scheduler, 0.01)
+    assert scheduler.paced(scheduler.runnable())
+    start(scheduler, c, [5, 6])
+    assert not scheduler.paced(scheduler.runnable())
+    assert not make_scheduler().paced([a, b])  # no pace load: never
+
+
+def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late() -> None:
+    from qwen3tts_agent.engine.scheduler import PACE_MARGIN_S
+
+    scheduler = make_scheduler(pace_load=1)
+    a = make_request("a", schedule=(1, 2, 4))
+    start(scheduler, a, [5, 6])
+    assert scheduler.pace_release([a], 0.02) == float("inf")  # no first audio yet: nothing is due
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=0.01)  # the second chunk (2 frames) is due at 0.01 + 0.08
+    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
+    step(scheduler, 0.02)  # one of them made
+    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 0.02 - PACE_MARGIN_S)
+    scheduler.on_launched([a])  # the other in flight: the chunk needs no more steps
+    assert scheduler.pace_release([a], 0.02) == float("inf")
+
+
 def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_listener() -> None:
     scheduler = make_scheduler()
     ahead, fresh = make_request("ahead", schedule=(1, 64)), make_request("fresh", schedule=(1, 64))

@@ -107,6 +107,8 @@ class CoreConfig:
     codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
     first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
     first_frame_load: int = 0  # ... from this many streams stepping
+    step_period_s: float = 0.0  # under load, batched steps at most this often (StepPacer's clock); 0: off
+    pace_load: int = 0  # ... from this many streams stepping (Scheduler.paced)
 
 
 @dataclass
@@ -118,6 +120,7 @@ class CoreStats:
     steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
     first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
+    clock_releases: int = 0  # paced steps that went before the clock's tick, for a stream's next chunk
     speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
     speculation_misses: int = 0  # ... whose token turned out different: the request started over
     codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
@@ -145,7 +148,7 @@ class EngineCore:
         )
         entries = getattr(self.runner, "prefix_entries", 0)
         self._prefixes = PrefixCache(entries, self.runner.prefix_len) if entries else None
-        self.pacer = StepPacer()
+        self.pacer = StepPacer(step_period_s=config.step_period_s)
         cuda = self.device.type == "cuda"
         graphed = cuda and config.use_cuda_graphs
         self.stats = CoreStats()
@@ -160,7 +163,7 @@ class EngineCore:
             max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,
             adapt_chunks=config.adapt_chunks, speculate=config.speculative_first_frame,
             decode_sizes=self.audio.decode_sizes, first_frame_slots=config.first_frame_slots,
-            first_frame_load=config.first_frame_load,
+            first_frame_load=config.first_frame_load, pace_load=config.pace_load if config.step_period_s else 0,
         )
         # Prompts run above the steps and the steps above the codec lane (engine/lanes.py), so codec work only
         # fills the steps' gaps; the prompt lane is separate from the steps' stream, so a new prompt runs
@@ -197,6 +200,7 @@ class EngineCore:
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
         self._failures = 0
         self._stopping = False
+        self._pace_release: float | None = None  # until when a paced step may wait (Scheduler.pace_release)
 
     # ----------------------------------------------------------------- the caller's side (any thread)
     def submit(self, message: CoreRequest) -> None:
@@ -492,27 +496,36 @@ class EngineCore:
         rows = self.scheduler.first_frame_rows()
         if not rows:
             return False
-        self._queue_step(rows, time.perf_counter())
+        self._queue_step(rows, time.perf_counter(), batched=False)
         self.stats.first_frame_steps += 1
         return True
 
     def _launch_step(self) -> bool:
-        """Queue one frame for every runnable request, when the pacer says the device is about to need it."""
+        """Queue one frame for every runnable request, when the pacer says the device is about to need it (and,
+        under load, when its step clock says so)."""
         now = time.perf_counter()
         if not self.pacer.may_launch(now):
             return False
         rows = self.scheduler.runnable()
         if not rows:
             return False
+        early = not self.pacer.clock_due(now) and self.scheduler.paced(rows)
+        if early:
+            if self._pace_release is None:  # until the next step, collect or delivery changes a stream's need
+                self._pace_release = self.scheduler.pace_release(rows, self.pacer.step_period_s)
+            if now < self._pace_release:
+                return False
         if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
             return False
         for request, old, new in self.scheduler.moves():  # out of first-frame slots, right before this step
             self.runner.move_slot(old, new, request.position, request.track_len)
         self._queue_step(rows, now)
+        self.stats.clock_releases += early
         return True
 
-    def _queue_step(self, rows: list[RequestState], now: float) -> None:
+    def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
+        self._pace_release = None
         slots: list[int] = []
         for request in rows:
             assert request.slot is not None  # runnable rows always hold a slot
@@ -521,7 +534,7 @@ class EngineCore:
         step = self.steps.queue(self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below)
         if step.done is None:  # no device events: the step ran synchronously, now is its end
             self.scheduler.record_step_time(time.perf_counter() - now)
-        self.pacer.launched(step.bucket, now)
+        self.pacer.launched(step.bucket, now, batched=batched)
         self.stats.steps += 1
 
     def _sampling_below(self, b: int) -> tuple[bool, bool]:
@@ -541,6 +554,7 @@ class EngineCore:
             now = time.perf_counter()
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
             plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
+            self._pace_release = None
             self.scheduler.on_step_done(step.seq)
             self._failures = 0  # a step came through: the device works
             if plans:
@@ -572,6 +586,7 @@ class EngineCore:
         request = plan.request
         now = time.perf_counter()
         self.scheduler.on_delivered(plan, now)
+        self._pace_release = None
         timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
         output = ChunkOutput(
             request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings

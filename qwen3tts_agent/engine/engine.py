@@ -55,6 +55,12 @@ FIRST_FRAME_SLOTS = 4
 # From how many streams stepping at once they are used: where a batched step runs the 32-row graphs, which
 # take well over a first-frame step (docs/performance.md); below that the extra step costs about what it saves.
 FIRST_FRAME_STEP_LOAD = 24
+# From how many streams stepping at once batched steps keep to the step clock (`step_period_s`): one stream,
+# or a few, run as fast as the device goes.
+STEP_CLOCK_LOAD = 8
+# The step clock's period on a GPU (`step_period_s`): streams at about 4x real time under load, which gives the
+# chunk schedule's early chunks room to spare (a 2-frame second chunk due 80 ms after the first: docs/gpu.md).
+GPU_STEP_PERIOD_S = 0.02
 
 
 def resident_bytes() -> int:
@@ -117,6 +123,7 @@ class Engine(EngineFrontend):
         speculative_first_frame: bool = True,
         codec_hold_s: float | None = None,
         first_frame_step_load: int | None = None,
+        step_period_s: float | None = None,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -141,7 +148,12 @@ class Engine(EngineFrontend):
         `first_frame_step_load`: from this many streams stepping at once, a new stream's first frame runs in
         a step of a few low slots of its own, right behind the step in flight, instead of waiting for that
         step and then a whole batched one (`engine/scheduler.py`); the audio is the same either way. 0: never;
-        None: `FIRST_FRAME_STEP_LOAD` on a GPU with the "torch" backend and over that many slots, else never."""
+        None: `FIRST_FRAME_STEP_LOAD` on a GPU with the "torch" backend and over that many slots, else never.
+        `step_period_s`: from `STEP_CLOCK_LOAD` streams stepping at once, a batched step starts at most this
+        often, unless a stream's next chunk would be late or a new stream's first frame is in it, so streams
+        run at about 80 ms / `step_period_s` times real time and the device keeps room between steps for new
+        streams' prompts, first frames and first chunks (`engine/pacer.py`); the audio is the same either
+        way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a GPU with the "torch" backend, else 0."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -160,6 +172,7 @@ class Engine(EngineFrontend):
             prefix_cache=prefix_cache, staged_prefill=staged_prefill, speculative_first_frame=speculative_first_frame,
             codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
             **self._first_frame_step(first_frame_step_load, max_streams),
+            step_period_s=self._step_period(step_period_s), pace_load=STEP_CLOCK_LOAD,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
@@ -190,6 +203,14 @@ class Engine(EngineFrontend):
         if self.backend != "torch" or max_streams <= FIRST_FRAME_SLOTS:
             raise ValueError(f"a first-frame step needs the torch backend and more than {FIRST_FRAME_SLOTS} slots")
         return {"first_frame_slots": FIRST_FRAME_SLOTS, "first_frame_load": load}
+
+    def _step_period(self, period_s: float | None) -> float:
+        """The step clock's period for `Engine(step_period_s=...)`."""
+        if period_s is None:
+            return GPU_STEP_PERIOD_S if self.device.type == "cuda" and self.backend == "torch" else 0.0
+        if period_s < 0:
+            raise ValueError(f"step_period_s must not be negative, got {period_s}")
+        return period_s
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -319,6 +340,7 @@ class Engine(EngineFrontend):
             errors=base.errors + now.errors,
             steps=base.steps + now.steps,
             steps_deferred=base.steps_deferred + now.steps_deferred,
+            clock_releases=base.clock_releases + now.clock_releases,
             speculations=base.speculations + now.speculations,
             speculation_misses=base.speculation_misses + now.speculation_misses,
             first_frame_steps=base.first_frame_steps + now.first_frame_steps,

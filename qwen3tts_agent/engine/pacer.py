@@ -11,13 +11,24 @@ class StepPacer:
     pacer queues the next step when the one in flight is expected to end within `margin_s`, from a moving
     average of the device time of past steps of the same batch bucket; until a bucket has been measured, and
     whenever nothing is in flight, it queues at once. At most `max_in_flight` steps are queued.
+
+    The step clock. Steps queued back to back keep the device busy making audio far ahead of every listener,
+    and a new stream's prompt, first frame and first chunk then queue behind that work. A paced step (the
+    core decides which: `Scheduler.paced`) therefore also waits until `step_period_s` after the last batched
+    step was queued, unless a stream's next chunk would then be late (`Scheduler.pace_release`): under load
+    every stream runs at about `FRAME_SECONDS / step_period_s` times real time, and the device keeps room
+    between steps for new streams. 0 turns the clock off.
     """
 
-    def __init__(self, *, margin_s: float = 0.0008, max_in_flight: int = 2) -> None:
+    def __init__(self, *, margin_s: float = 0.0008, max_in_flight: int = 2, step_period_s: float = 0.0) -> None:
+        if step_period_s < 0:
+            raise ValueError(f"step_period_s must not be negative, got {step_period_s}")
         self.margin_s = margin_s
         self.max_in_flight = max_in_flight
+        self.step_period_s = step_period_s
         self._durations: dict[int, float] = {}  # batch bucket -> moving average of device seconds
         self._in_flight: list[tuple[int, float]] = []  # (bucket, queued at), oldest first
+        self._last_batched = float("-inf")  # when the last batched step was queued (the clock's last tick)
 
     def may_launch(self, now: float) -> bool:
         if not self._in_flight:
@@ -26,6 +37,10 @@ class StepPacer:
             return False
         end = self.expected_end()
         return end is None or now >= end - self.margin_s
+
+    def clock_due(self, now: float) -> bool:
+        """Whether the step clock lets a paced step go now: `step_period_s` since the last batched step."""
+        return now >= self._last_batched + self.step_period_s
 
     def may_queue(self) -> bool:
         """Whether another step may be queued behind those in flight, whenever they end (a new stream's first
@@ -42,8 +57,12 @@ class StepPacer:
             end = max(end, queued_at) + duration
         return end
 
-    def launched(self, bucket: int, now: float) -> None:
+    def launched(self, bucket: int, now: float, *, batched: bool = True) -> None:
+        """A step was queued; `batched`: a step of every runnable stream (a tick of the clock), not a step of
+        new streams' first frames alone."""
         self._in_flight.append((bucket, now))
+        if batched:
+            self._last_batched = now
 
     def completed(self, device_seconds: float | None) -> None:
         """The oldest queued step finished, after `device_seconds` on the device (None: not measured)."""

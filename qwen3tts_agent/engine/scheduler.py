@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 
 # A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
 URGENT_SLACK_S = 0.04
+# A paced step waits for the step clock only while every stream in it would still have its next chunk in
+# time: the frames that chunk lacks at one clock period each, plus this long for the last step and the decode.
+PACE_MARGIN_S = 0.04
 # A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
 # beyond what its listener has heard: the audio is due sooner than their next frames.
 STEP_CAN_WAIT_AHEAD_S = 0.5
@@ -74,6 +78,7 @@ class Scheduler:
         decode_sizes: Iterable[int] = (),
         first_frame_slots: int = 0,
         first_frame_load: int = 0,
+        pace_load: int = 0,
     ) -> None:
         """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
         than keep to its chunk schedule (which an engine slower than the schedule assumes would starve).
@@ -83,7 +88,8 @@ class Scheduler:
         call and batches with other streams' chunks of that length (empty: any length).
         `first_frame_slots`: how many of the lowest slots new streams take under load, to run their first
         frame in a step of their own (module docstring); 0 for none. `first_frame_load`: the streams stepping
-        from which they do (at least `first_frame_slots`)."""
+        from which they do (at least `first_frame_slots`). `pace_load`: the streams stepping from which
+        batched steps keep to the step clock (`paced`); 0: never."""
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
@@ -98,6 +104,9 @@ class Scheduler:
         self.first_frame_slots = first_frame_slots
         self.first_frame_load = max(first_frame_slots, first_frame_load)
         self._first_frame: list[RequestState] = []  # requests in first-frame slots, until they move
+        if pace_load < 0:
+            raise ValueError(f"pace_load must not be negative, got {pace_load}")
+        self.pace_load = pace_load
         self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
         self.running: dict[int, RequestState] = {}  # slot -> request
         self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
@@ -294,6 +303,25 @@ class Scheduler:
             and request.position < self.max_seq_len
             and (request.eos_fed or request.frames_launched < request.track_len)
         )
+
+    def paced(self, rows: Sequence[RequestState]) -> bool:
+        """Whether a batched step of `rows` waits for the step clock (`StepPacer`): under load (`pace_load`
+        streams stepping or more), unless it carries a new stream's first frame, which never waits for a tick."""
+        return bool(self.pace_load) and len(rows) >= self.pace_load and all(r.frames_launched for r in rows)
+
+    def pace_release(self, rows: Sequence[RequestState], period_s: float) -> float:
+        """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still
+        gives every stream its next chunk's missing frames, one a period, and `PACE_MARGIN_S` for the last
+        step and the decode, before that chunk's deadline; infinity if no stream presses."""
+        release = math.inf
+        for request in rows:
+            deadline = request.deadline()
+            if deadline is None:  # its first chunk is on its way: its next is due a frame after that leaves
+                continue
+            missing = request.next_chunk_frames - len(request.pending) - (request.frames_launched - request.frames)
+            if missing > 0:
+                release = min(release, deadline - missing * period_s - PACE_MARGIN_S)
+        return release
 
     def first_frame_rows(self) -> list[RequestState]:
         """Requests in first-frame slots whose first frame can run now, in a step of those slots alone."""

@@ -67,6 +67,7 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         max_streams="auto" if args.max_streams == "auto" else int(args.max_streams),
         backend=args.backend,
         codec_hold_ms=args.codec_hold_ms,
+        step_period_ms=args.step_period_ms,
         engine_core=args.engine_core,
         torch_threads=args.torch_threads,
         num_replicas=None if autoscale else args.replicas,

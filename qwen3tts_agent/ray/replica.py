@@ -107,6 +107,8 @@ class EngineReplica:
         engine_kwargs: dict[str, Any] = {"max_streams": s.max_streams, "backend": s.backend}
         if s.codec_hold_ms is not None:
             engine_kwargs["codec_hold_s"] = s.codec_hold_ms / 1000
+        if s.step_period_ms is not None:
+            engine_kwargs["step_period_s"] = s.step_period_ms / 1000
         if s.engine_core == "thread":
             from ..engine.engine import Engine
 

@@ -29,6 +29,8 @@ class RayServeSettings:
             the Triton kernels on a GPU; docs/cpu-backend.md).
         codec_hold_ms: how long a later chunk may wait to batch with other streams' in one codec call, as for
             `serve --codec-hold-ms` (None: the engine's default).
+        step_period_ms: under load, how often a batched frame step may start at most, as for
+            `serve --step-period-ms` (None: the engine's default).
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
             a child process of the replica (`engine/process.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
@@ -58,6 +60,7 @@ class RayServeSettings:
     max_streams: int | str = "auto"
     backend: str = "auto"
     codec_hold_ms: float | None = None
+    step_period_ms: float | None = None
     engine_core: str = "thread"
     torch_threads: int | None = None
     num_replicas: int | None = 1
@@ -87,6 +90,8 @@ class RayServeSettings:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.codec_hold_ms is not None and self.codec_hold_ms < 0:
             raise ValueError(f"codec_hold_ms must not be negative, got {self.codec_hold_ms}")
+        if self.step_period_ms is not None and self.step_period_ms < 0:
+            raise ValueError(f"step_period_ms must not be negative, got {self.step_period_ms}")
         if self.max_streams != "auto" and (not isinstance(self.max_streams, int) or self.max_streams < 1):
             raise ValueError(f"max_streams must be a positive number or 'auto', got {self.max_streams!r}")
         if self.num_replicas is not None and self.num_replicas < 1:

@@ -72,6 +72,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a stream's later audio chunk may wait to be decoded in one codec call with other "
                    "streams' chunks while its listener has audio to spare (default: 50 on a GPU, 0 on the CPU; "
                    "0: decode each as soon as the codec has room); docs/server.md")
+    p.add_argument("--step-period-ms", type=float,
+                   help="under load, start a batched frame step at most this often, so the device keeps room for "
+                   "new streams (each stream then runs at about 80 / this times real time; default: 20 on a GPU, "
+                   "0 on the CPU; 0: steps back to back); docs/server.md")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -110,6 +114,10 @@ def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str
         if args.codec_hold_ms < 0:
             raise ValueError("--codec-hold-ms must not be negative")
         options["codec_hold_s"] = args.codec_hold_ms / 1000
+    if args.step_period_ms is not None:
+        if args.step_period_ms < 0:
+            raise ValueError("--step-period-ms must not be negative")
+        options["step_period_s"] = args.step_period_ms / 1000
     return options
 
 

@@ -7,6 +7,7 @@ A voice folder appears and disappears by one rename, so a crash never leaves a h
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -112,21 +113,36 @@ class VoiceRegistry:
                 x_vector_only=x_vector_only,
                 created_at=time.time(),
             )
-            await asyncio.to_thread(self._write, record, prompt, save_prompt)
+            record = await asyncio.to_thread(self._write, record, prompt, save_prompt)
             self._voices[record.voice_id] = (record, prompt)
             return record, True
 
-    def _write(self, record: VoiceRecord, prompt: VoicePrompt, save_prompt: Callable[[VoicePrompt, Path], None]) -> None:
+    def _write(
+        self, record: VoiceRecord, prompt: VoicePrompt, save_prompt: Callable[[VoicePrompt, Path], None]
+    ) -> VoiceRecord:
+        """Store a voice by one rename; returns the record on disk. Several API workers share the folder and
+        register the default voice at the same start: a voice id is its reference's hash, so a folder of that
+        id that another process wrote meanwhile holds the same voice, and is kept (with its record)."""
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f".tmp-{uuid.uuid4().hex}"
         staging.mkdir()
+        final = self.root / record.voice_id
         try:
             save_prompt(prompt, staging / _PROMPT)
             (staging / _META).write_text(json.dumps(record.to_json(), indent=2), "utf-8")
-            final = self.root / record.voice_id
-            if final.exists():  # a folder that failed to load at startup
-                shutil.rmtree(final)
+            try:
+                os.replace(staging, final)
+                return record
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            stored = _read_record(final)
+            if stored is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+                return stored
+            self._remove(record.voice_id)  # a folder that failed to load at startup: replace it
             os.replace(staging, final)
+            return record
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -147,3 +163,11 @@ class VoiceRegistry:
             trash = self.root / f".trash-{uuid.uuid4().hex}"
             os.replace(folder, trash)
             shutil.rmtree(trash, ignore_errors=True)
+
+
+def _read_record(folder: Path) -> VoiceRecord | None:
+    """The record of a stored voice folder, or None if it has no readable one."""
+    try:
+        return VoiceRecord(**json.loads((folder / _META).read_text("utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None
