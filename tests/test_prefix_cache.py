@@ -55,10 +55,10 @@ def test_cached_prefix_gives_the_codes_of_a_full_prefill(spec: str) -> None:
                 for i, text in enumerate(TEXTS)
             ]
             if cached:
-                assert engine.core._prefixes is not None
-                hits = engine.core._prefixes.hits
+                assert engine.core.prefills.prefixes is not None
+                hits = engine.core.prefills.prefixes.hits
             else:
-                assert engine.core._prefixes is None
+                assert engine.core.prefills.prefixes is None
         finally:
             engine.close()
     assert hits >= len(voices) * (len(TEXTS) - 1)  # every stream after a voice's first copied its prefix
@@ -72,7 +72,7 @@ def test_copy_prefix_puts_the_stored_positions_in_the_slot() -> None:
     try:
         runner = engine.core.runner
         engine.synthesize_blocking("Hello.", voice=Voice(speaker=engine.speakers[0]), sampling=SamplingParams(max_frames=2))
-        [(key, entry)] = list(engine.core._prefixes._held.items())
+        [(key, entry)] = list(engine.core.prefills.prefixes._held.items())
         # the first stream (slot 0) stored its head; copying it to slot 1 reproduces it position by position
         head = runner.kv_cache[:, :, 0, :, : entry.length].clone()
         runner.kv_cache[:, :, 1].zero_()

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline
-from .cuda_graphs import GraphedFrameStep, GraphedPrefill, GraphedStagedPrefill, power_of_two_buckets
+from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
 from .lanes import LanePriorities
 from .messages import (
     AbortRequest,
@@ -54,7 +54,7 @@ from .messages import (
     PromptSpec,
 )
 from .pacer import StepPacer
-from .prefixes import PrefixCache
+from .prefill import MAX_PREFILL_ROWS, Prefills, prefix_store_options
 from .prompt import PromptBuilder
 from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .runner import PrefillRow
@@ -65,17 +65,11 @@ from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingP
 
 logger = logging.getLogger(__name__)
 
-# Prompts prefilled together in one batched forward: a batch costs the running streams about one frame.
-MAX_PREFILL_ROWS = 16
 # Consecutive failed steps after which the loop gives up (the device is not coming back by itself).
 MAX_CONSECUTIVE_FAILURES = 3
 # Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
 # for it (see `Scheduler.steps_can_wait`), so the codec lane gets the device before listeners starve.
 URGENT_AUDIO_S = 0.06
-# Voice prefixes (prompt heads) whose keys and values the runner keeps, and their longest (in positions): a
-# head is ~10 positions, more with an instruction; longer ones are prefilled with every request.
-PREFIX_ENTRIES = 16
-PREFIX_MAX_POSITIONS = 64
 
 
 class OutputSink(Protocol):
@@ -135,19 +129,14 @@ class EngineCore:
         self._sink = sink
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
-        # the PyTorch runner keeps voice prefixes (`copy_prefix`); other runners simply prefill every prompt's head
-        prefix_store: dict[str, Any] = (
-            dict(prefix_entries=PREFIX_ENTRIES, prefix_len=PREFIX_MAX_POSITIONS, staged_prefill=config.staged_prefill)
-            if config.prefix_cache and config.backend == "torch" else {}
-        )
         # one text-track token per frame at most, so a track never outgrows the cache
         self.runner = create_runner(
             model, config.backend, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
             max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap, fused_kernels=config.fused_kernels,
-            **prefix_store,
+            **prefix_store_options(
+                prefix_cache=config.prefix_cache, backend=config.backend, staged_prefill=config.staged_prefill
+            ),
         )
-        entries = getattr(self.runner, "prefix_entries", 0)
-        self._prefixes = PrefixCache(entries, self.runner.prefix_len) if entries else None
         self.pacer = StepPacer(step_period_s=config.step_period_s)
         cuda = self.device.type == "cuda"
         graphed = cuda and config.use_cuda_graphs
@@ -180,22 +169,14 @@ class EngineCore:
         self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
         # decoded audio of a first frame run on a tentative token, until the token turns out final
         self._held: dict[str, list[tuple[ChunkPlan, np.ndarray]]] = {}
-        frame_graphs: GraphedFrameStep | None = None
-        self._prefill_graphs: GraphedPrefill | None = None
-        self._staged_graphs: GraphedStagedPrefill | None = None
-        if graphed:
-            kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
-            frame_graphs = GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets)
-            self._prefill_graphs = GraphedPrefill(
-                self.runner,
-                power_of_two_buckets(min(MAX_PREFILL_ROWS, config.max_streams)),
-                [t for t in (32, 64, 128, 256) if t <= config.max_seq_len] or [config.max_seq_len],
-                [k for k in kv_buckets if k <= 512] or kv_buckets[:1],
-                max_tokens=2048,
-            )
-            if getattr(self.runner, "stage_rows", 0):
-                self._staged_graphs = GraphedStagedPrefill(self.runner, (16, 32, 64))
+        kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
+        frame_graphs = (
+            GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets) if graphed else None
+        )
         self.steps = FrameSteps(self.runner, frame_graphs, self.device, config.max_streams)
+        self.prefills = Prefills(
+            self.runner, self.prompts, graphed=graphed, max_streams=config.max_streams, kv_buckets=kv_buckets
+        )
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
         self._failures = 0
@@ -221,16 +202,9 @@ class EngineCore:
 
     def capture_graphs(self, progress: bool) -> None:
         """Capture every CUDA graph (frame, prefill, staged prefill, both codec lanes); on the core's thread."""
-        for graphs in (self.steps.graphs, self._prefill_graphs):
-            if graphs is not None:
-                graphs.capture(progress=progress)
-        if self._staged_graphs is not None:
-            try:
-                self._staged_graphs.capture(progress=progress)
-            except Exception:  # noqa: BLE001 - an optimisation: without it the prompt graphs do the same work
-                logger.exception("staged prefill graphs failed to capture; one-token prompt pieces use the prompt graphs")
-                self._staged_graphs = None
-                self.runner.stage_rows = 0
+        if self.steps.graphs is not None:
+            self.steps.graphs.capture(progress=progress)
+        self.prefills.capture(progress)
         self.audio.capture(progress)
 
     @property
@@ -413,43 +387,23 @@ class EngineCore:
         spec = self._specs[request.request_id]
         self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
         self.audio.start(request.request_id, spec)
-        entry = self._prefixes.get(self.prompts.head_key(spec)) if self._prefixes is not None else None
-        if entry is not None:  # the voice's head was prefilled before: copy its keys and values
-            self.runner.copy_prefix(entry.index, slot, entry.length)
-            self.scheduler.on_prefilled(PrefillPlan(request, head=True, body_ids=None), entry.length, time.perf_counter())
+        length = self.prefills.copy_head(spec, slot)
+        if length is not None:  # the voice's head was prefilled before: its keys and values were copied
+            self.scheduler.on_prefilled(PrefillPlan(request, head=True, body_ids=None), length, time.perf_counter())
 
     def _prompt_row(self, plan: PrefillPlan) -> PrefillRow:
         request = plan.request
-        spec = self._specs[request.request_id]
-        body = None
-        if plan.body_ids is not None:
-            if request.closed and not plan.body_ids:
-                raise InvalidTextError("text is empty")
-            body = self.prompts.body(spec, plan.body_ids, request.closed)
-        parts = [p for p in (self.prompts.head(spec) if plan.head else None, body.embeds if body else None) if p is not None]
-        embeds = torch.cat(parts) if len(parts) > 1 else parts[0]
-        needed = request.position + embeds.shape[0]
-        if needed >= self.runner.max_seq_len:
-            raise InvalidTextError(
-                f"the prompt needs {needed} positions; this engine holds {self.runner.max_seq_len} "
-                "(shorten the text or raise max_seq_len)"
-            )
         assert request.slot is not None
-        self._trailing[request.request_id] = body.trailing_ids if body is not None else []
-        return PrefillRow(request.slot, request.position, embeds, body is not None)
+        row, trailing = self.prefills.row(
+            self._specs[request.request_id], request.slot, request.position, head=plan.head,
+            body_ids=plan.body_ids, closed=request.closed,
+        )
+        self._trailing[request.request_id] = trailing
+        return row
 
     def _prefill(self, rows: list[tuple[PrefillPlan, PrefillRow]]) -> None:
-        prefill_rows = [row for _, row in rows]
         try:
-            runner, staged = self.runner, self._staged_graphs
-            if getattr(runner, "stage_rows", 0) and runner.can_stage(prefill_rows):
-                # one-token pieces (after a prefix from the store): the Triton decode step
-                if staged is None or not staged.captured or not staged(prefill_rows):
-                    runner.staged_prefill(prefill_rows)
-            else:
-                graphs = self._prefill_graphs
-                if graphs is None or not graphs.captured or not graphs(prefill_rows):
-                    self.runner.prefill(prefill_rows)
+            self.prefills.run([row for _, row in rows])
         except Exception as exc:  # noqa: BLE001 - a failed prefill (e.g. out of memory) fails its batch only
             logger.exception("prefill of %d prompts failed", len(rows))
             for plan, _ in rows:
@@ -458,20 +412,12 @@ class EngineCore:
         now = time.perf_counter()
         for plan, row in rows:
             request = plan.request
-            if plan.head and self._prefixes is not None:
-                self._store_prefix(request, row)
+            if plan.head:
+                self.prefills.keep_head(self._specs[request.request_id], row.slot)
             self.scheduler.on_prefilled(plan, row.embeds.shape[0], now)
             trailing = self._trailing.pop(request.request_id, [])
             if plan.body_ids is not None:
                 self._guarded(request, self._feed, request, trailing)
-
-    def _store_prefix(self, request: RequestState, row: PrefillRow) -> None:
-        """Keep a just prefilled head in the prefix store, if its voice has no entry yet."""
-        assert self._prefixes is not None
-        spec = self._specs[request.request_id]
-        entry = self._prefixes.claim(self.prompts.head_key(spec), self.prompts.head(spec).shape[0])
-        if entry is not None:
-            self.runner.store_prefix(row.slot, entry.index, entry.length)
 
     def _feed(self, request: RequestState, ids: list[int]) -> None:
         if not self.scheduler.track_room(request, ids):
