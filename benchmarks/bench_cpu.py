@@ -4,9 +4,10 @@ Same text, 3 s reference, ICL voice clone and frame count as benchmarks/bench_en
 generation, `ignore_eos`). Per backend: the frame step alone (ms per frame, batch 1 and 4), one stream
 through the Engine (first audio, real-time factor, ms per frame; greedy and default sampling), 4 concurrent
 streams (each one's real-time factor), peak memory. Also: the memory bandwidth of the machine and the bytes
-a frame must read (the floor), per-op micro benchmarks of the candidate runtimes (`--micro`), and the int8
-backend's code agreement and audio difference against the fp32 CPU backend (random weights cannot judge
-quality: this only says how far int8 moves the numbers).
+a frame must read (the floor, for 8- and 4-bit weights), per-op micro benchmarks of the candidate runtimes
+(`--micro`), and the int8 backend's (and the opt-in int4's, when among `--backends`) code agreement and audio
+difference against the fp32 CPU backend (random weights cannot judge quality: this only says how far the
+quantized weights move the numbers).
 
     python benchmarks/bench_cpu.py --model synthetic:0.6b --threads 2 --out bench_cpu.json
     python benchmarks/bench_cpu.py --model synthetic:tiny --quick          # smoke test
@@ -205,27 +206,27 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-# ----------------------------------------------------------------- agreement of int8 with fp32
-def agreement(official: object, frames: int, reference: tuple[np.ndarray, int]) -> dict[str, object]:
-    """The same greedy request on the fp32 and the int8 CPU backends: codes and audio side by side."""
+# ----------------------------------------------------------------- agreement of int8 (or int4) with fp32
+def agreement(official: object, frames: int, reference: tuple[np.ndarray, int], quantized: str = "int8") -> dict[str, object]:
+    """The same greedy request on the fp32 and a quantized CPU backend: codes and audio side by side."""
     results = {}
-    for backend in ("fp32", "int8"):
+    for backend in ("fp32", quantized):
         engine = Engine(official, max_streams=1, keep_codes=True, backend=backend)
         voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
         pcm, result = engine.synthesize_blocking(BENCH_TEXT, voice=voice, language="english",
                                                  sampling=SamplingParams.greedy(max_frames=frames, ignore_eos=True))
         results[backend] = (np.asarray(result.codes), pcm)
         engine.close()
-    (codes32, pcm32), (codes8, pcm8) = results["fp32"], results["int8"]
-    # the codec alone: the fp32 run's codes through the int8 backend's codec and through the fp32 one
+    (codes32, pcm32), (codes8, pcm8) = results["fp32"], results[quantized]
+    # the codec alone: the fp32 run's codes through the quantized backend's codec and through the fp32 one
     from qwen3tts_agent.backends import create_codec
 
     decoder = official.model.speech_tokenizer.model.decoder  # type: ignore[attr-defined]
     codec_audio = {}
-    for backend in ("fp32", "int8"):
+    for backend in ("fp32", quantized):
         codec = create_codec(decoder, backend, max_streams=1)
         codec_audio[backend] = codec.decode([0], torch.as_tensor(codes32)[None]).float()[0].numpy()
-    codec_noise = codec_audio["int8"] - codec_audio["fp32"]
+    codec_noise = codec_audio[quantized] - codec_audio["fp32"]
     same = codes32 == codes8
     diverged = np.nonzero(~same.all(axis=1))[0]
     noise = pcm8 - pcm32
@@ -241,7 +242,7 @@ def agreement(official: object, frames: int, reference: tuple[np.ndarray, int]) 
         "codec_only_dtype": str(codec.dtype),
         "codec_only_rms_diff": float(np.sqrt(np.mean(codec_noise**2))),
         "codec_only_max_abs_diff": float(np.abs(codec_noise).max()),
-        "note": "random weights: agreement says how far int8 moves the numbers, not whether speech is better or worse",
+        "note": f"random weights: agreement says how far {quantized} moves the numbers, not whether speech is better or worse",
     }
 
 
@@ -399,10 +400,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     official = load_official_model(args.model, device="cpu", dtype=torch.float32, progress=True)
     model = official.model
     report["frame_bytes_int8"] = frame_bytes(model, 1 + 4 / 128)  # 8-bit weights + one fp32 scale per 128
+    report["frame_bytes_int4"] = frame_bytes(model, 0.5 + 4 / 128)
     report["frame_bytes_fp32"] = frame_bytes(model, 4)
-    floor_ms = 1000 * report["frame_bytes_int8"]["frame_gb"] / report["memory_bandwidth"]["read_gb_s"]
-    report["int8_frame_floor_ms"] = floor_ms
-    log(f"int8 frame reads {report['frame_bytes_int8']['frame_gb']:.2f} GB: floor {floor_ms:.1f} ms at the measured read bandwidth")
+    for fmt in ("int8", "int4"):
+        floor_ms = 1000 * report[f"frame_bytes_{fmt}"]["frame_gb"] / report["memory_bandwidth"]["read_gb_s"]
+        report[f"{fmt}_frame_floor_ms"] = floor_ms
+        log(f"{fmt} frame reads {report[f'frame_bytes_{fmt}']['frame_gb']:.2f} GB: floor {floor_ms:.1f} ms at the "
+            "measured read bandwidth")
     if args.micro:
         cfg = model.config.talker_config
         layer = model.talker.model.layers[0]
@@ -422,8 +426,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         log(f"int8 vs torch: frame step {report['speedup_frame_step_b1']:.1f}x, "
             f"engine ms/frame {report['speedup_ms_per_frame_single_stream']:.1f}x")
     if args.agreement:
-        report["int8_vs_fp32"] = agreement(official, args.frames, reference)
-        log(f"int8 vs fp32: {report['int8_vs_fp32']}")
+        for quantized in [b for b in args.backends if b in ("int8", "int4")] or ["int8"]:
+            report[f"{quantized}_vs_fp32"] = agreement(official, args.frames, reference, quantized)
+            log(f"{quantized} vs fp32: {report[f'{quantized}_vs_fp32']}")
     if args.overlap:
         report["overlap"] = overlap_estimate(model, 48, args.threads)
         log(f"frame steps and codec on separate threads: {report['overlap']}")
@@ -445,7 +450,8 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--micro", action="store_true", help="per-op micro benchmarks of the candidate runtimes")
     parser.add_argument("--compile", action="store_true", help="with --micro: also torch.compile (slow to compile)")
-    parser.add_argument("--agreement", action="store_true", help="int8 against fp32: codes and audio")
+    parser.add_argument("--agreement", action="store_true",
+                        help="int8 (and int4, if among --backends) against fp32: codes and audio")
     parser.add_argument("--overlap", action="store_true", help="frame steps and codec on two threads at once")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_cpu.json"))

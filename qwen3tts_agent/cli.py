@@ -23,9 +23,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="hub id, local checkpoint folder, or synthetic:<tiny|0.6b|1.7b>[-<base|customvoice|voicedesign>]")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "int4", "fp32"),
                         help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch on a GPU), torch, int8, "
-                             "fp32 (the CPU backend with fp32 weights); see docs/cpu-backend.md")
+                             "int4 (4-bit weights: faster, coarser), fp32 (the CPU backend with fp32 weights); "
+                             "see docs/cpu-backend.md")
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:
@@ -132,7 +133,7 @@ def _prepare(args: argparse.Namespace) -> int:
     warmed = time.perf_counter()
     print(f"{args.model} prepared on {engine.device} ({engine.backend} backend, {engine.info.max_streams} slots): "
           f"weights loaded in {loaded - started:.1f} s, warm-up in {warmed - loaded:.1f} s")
-    if engine.backend in ("int8", "fp32"):
+    if engine.backend in ("int8", "int4", "fp32"):
         from .backends.cpu.store import conversion_folder
 
         print(f"{engine.backend} weights in {conversion_folder(engine.model, engine.backend)}")

@@ -1,4 +1,4 @@
-"""The CPU backend (`qwen3tts_agent.backends`): exact in fp32, end to end in int8, conversion cached.
+"""The CPU backend (`qwen3tts_agent.backends`): exact in fp32, end to end in int8 and int4, conversion cached.
 
 Parity: with fp32 weights the ONNX Runtime graphs give the official package's codes and audio on the tiny
 synthetic models of every type, through the real Engine. The int8 format changes the numbers (random
@@ -159,6 +159,48 @@ def test_int8_engine_streams_text_batches_and_cancels() -> None:
         engine.close()
 
 
+# ----------------------------------------------------------------- int4 (opt-in): 4-bit weights
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_projections_read_the_rounded_weights(bits: int) -> None:
+    """A MatMulNBits projection gives x @ Wq.T, Wq the weight rounded to `bits`-bit blocks of 128 (within
+    the int8 activations' rounding): the packing is MatMulNBits' own, and int4 really is 4-bit."""
+    import onnxruntime as ort
+
+    from qwen3tts_agent.backends.cpu.graphs import linear_graph
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    session = ort.InferenceSession(
+        linear_graph(weight, f"int{bits}").SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    y = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+    levels = 2 ** (bits - 1) - 1
+    blocks = weight.reshape(64, 2, 128)
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / levels
+    rounded = (torch.round(blocks / scales).clamp(-levels, levels) * scales).reshape(64, 256)
+    scale = (x @ weight.T).abs().max()
+    assert (y - x @ rounded.T).abs().max() < 0.02 * scale
+    if bits == 4:  # 4-bit rounding moves the result well beyond the activations' rounding
+        assert (y - x @ weight.T).abs().max() > 0.05 * scale
+
+
+def test_int4_engine_streams_batches_and_repeats_itself() -> None:
+    engine = engine_for("synthetic:tiny", max_streams=2, backend="int4")
+    try:
+        assert isinstance(engine.core.runner, CpuRunner) and engine.core.runner.weight_format == "int4"
+        voice = Voice(prompt=engine.create_voice(reference_audio(), REF_TEXT))
+        sampling = SamplingParams(seed=3, max_frames=20)
+        streams = [engine.open_stream(TEXT, voice=voice, sampling=sampling) for _ in range(2)]
+        audio = [np.concatenate([c.pcm for c in s.chunks(timeout=120)]) for s in streams]
+        alone, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+    finally:
+        engine.close()
+    assert streams[0].result.codes == streams[1].result.codes == result.codes
+    for pcm in audio:
+        np.testing.assert_allclose(pcm, alone, atol=1e-5)
+    assert np.abs(alone).max() > 1e-3 and np.isfinite(alone).all()
+
+
 # ----------------------------------------------------------------- the codec's GEMM convolutions
 @pytest.mark.parametrize(("gemm_max_steps", "dtype"), [(0, None), (64, None), (100_000, None), (64, torch.bfloat16)],
                          ids=["direct", "default", "all-gemm", "bfloat16"])
@@ -188,7 +230,7 @@ def test_backend_resolution() -> None:
     assert resolve_backend("auto", "cuda") == "torch"
     assert resolve_backend("fp32", "cpu") == "fp32"
     with pytest.raises(ValueError, match="unknown backend"):
-        resolve_backend("int4", "cpu")
+        resolve_backend("int2", "cpu")
     with pytest.raises(ValueError, match="runs on the CPU"):
         resolve_backend("int8", "cuda:0")
     model = official_model("synthetic:tiny").model

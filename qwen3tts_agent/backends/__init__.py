@@ -7,6 +7,8 @@ and a streaming codec decoder (`StreamingCodecDecoder`'s interface). Both come f
   on a CPU it is eager fp32 PyTorch.
 - "int8": the CPU backend (`backends.cpu`): the talker and the code predictor as ONNX Runtime graphs with
   8-bit weights; the codec decoder with its short convolutions as GEMMs, in bfloat16 where the CPU has it.
+- "int4" (opt-in): the same with 4-bit weights, half the bytes a frame reads and coarser numbers
+  (docs/cpu-backend.md says what that changes).
 - "fp32": the same CPU backend with fp32 weights, which exists to prove it exact against the official model.
 - "auto": "int8" on a CPU, "torch" on a GPU (and on a CPU where the Triton kernels run interpreted, which
   only their tests do).
@@ -23,8 +25,8 @@ from ..engine.runner import ModelRunner
 from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule
 
-BACKENDS = ("auto", "torch", "int8", "fp32")
-CPU_BACKENDS = ("int8", "fp32")
+BACKENDS = ("auto", "torch", "int8", "int4", "fp32")
+CPU_BACKENDS = ("int8", "int4", "fp32")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -66,14 +68,14 @@ def create_runner(
 def create_codec(decoder: OfficialModule, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:
     """The streaming codec decoder of the official `decoder` for `backend` (`max_streams=` as the engine's).
 
-    "int8" decodes in bfloat16 where the CPU has it natively (`cpu.codec.native_bfloat16`), else in float32;
-    "fp32" keeps the decoder's float32, exact.
+    "int8" and "int4" decode in bfloat16 where the CPU has it natively (`cpu.codec.native_bfloat16`), else in
+    float32; "fp32" keeps the decoder's float32, exact.
     """
     backend = resolve_backend(backend, next(decoder.parameters()).device)
     if backend == "torch":
         return StreamingCodecDecoder(decoder, **codec_kwargs)  # type: ignore[arg-type]
     from .cpu.codec import CpuCodecDecoder, native_bfloat16
 
-    if backend == "int8" and "compute_dtype" not in codec_kwargs and native_bfloat16():
+    if backend in ("int8", "int4") and "compute_dtype" not in codec_kwargs and native_bfloat16():
         codec_kwargs["compute_dtype"] = torch.bfloat16
     return CpuCodecDecoder(decoder, **codec_kwargs)  # type: ignore[arg-type]

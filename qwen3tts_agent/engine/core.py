@@ -86,7 +86,7 @@ class CoreConfig:
 
     max_streams: int = 16
     max_seq_len: int = 2048
-    backend: str = "torch"  # a resolved backend (`qwen3tts_agent.backends`): "torch", "int8" or "fp32"
+    backend: str = "torch"  # a resolved backend (`qwen3tts_agent.backends`): "torch", "int8", "int4" or "fp32"
     chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
     keep_codes: bool = False
     use_cuda_graphs: bool = True

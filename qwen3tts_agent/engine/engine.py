@@ -132,7 +132,7 @@ class Engine(EngineFrontend):
         in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
         where an engine near real time would otherwise cut most chunks short.
         `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
-        kernels on a GPU), "torch", "int8" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
+        kernels on a GPU), "torch", "int8", "int4" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
         `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
         way (the "torch" backend; the CPU backends prefill every head). `staged_prefill` (opt-in): with

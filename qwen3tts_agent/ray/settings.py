@@ -13,7 +13,7 @@ from typing import Any
 from ..server.config import ServerConfig
 
 ENGINE_CORES = ("thread", "process")
-BACKENDS = ("auto", "torch", "int8", "fp32")
+BACKENDS = ("auto", "torch", "int8", "int4", "fp32")
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", default="auto",
                    help="engine stream slots (rows of the batched step); 'auto': what the device holds "
                    "(up to 256 on a GPU, by free memory; 16 on the CPU)")
-    p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "fp32"),
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "int4", "fp32"),
                    help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch + Triton on a GPU), torch, "
-                   "int8, fp32; see docs/cpu-backend.md")
+                   "int8, int4 (4-bit weights: faster, coarser), fp32; see docs/cpu-backend.md")
     p.add_argument("--codec-hold-ms", type=float,
                    help="how long a stream's later audio chunk may wait to be decoded in one codec call with other "
                    "streams' chunks while its listener has audio to spare (default: 50 on a GPU, 0 on the CPU; "

@@ -3,7 +3,8 @@
 One graph runs a whole stack of Qwen3 decoder layers (RMSNorm, q/k RMSNorm, RoPE, grouped-query attention,
 SwiGLU) for a batch of rows, so a talker step or a predictor step is ONE ONNX Runtime call instead of
 hundreds of PyTorch ops. The projections are `MatMulNBits` (8-bit weights in blocks along the input
-dimension, int8 activations: ONNX Runtime's VNNI GEMV kernels) in the int8 format, or plain fp32 `MatMul`
+dimension, int8 activations: ONNX Runtime's VNNI GEMV kernels) in the int8 format, the same with 4-bit
+weights in the int4 format (half the bytes a frame reads, coarser numbers: opt-in), or plain fp32 `MatMul`
 in the fp32 format, which exists to prove the graphs exact against the official model.
 
 The KV caches are graph inputs and outputs bound to the same memory (`GroupQueryAttention` with a shared
@@ -23,18 +24,19 @@ from torch import nn
 
 from ...models.compat import OfficialModule
 
-WEIGHT_FORMATS = ("int8", "fp32")
+WEIGHT_FORMATS = ("int8", "int4", "fp32")
+QUANTIZED_BITS = {"int8": 8, "int4": 4}  # the formats with MatMulNBits weights, and their bits per weight
 MS_DOMAIN = "com.microsoft"
 OPSET = 17
 # The IR version of opset 17's release (onnx 1.13), not the installed onnx package's newest: an onnxruntime
 # older than that package refuses a newer IR ("Unsupported model IR version"), whatever the opset.
 IR_VERSION = 8
-INT8_BLOCK = 128  # weights per scale along the input dimension (MatMulNBits block_size)
+QUANT_BLOCK = 128  # weights per scale along the input dimension (MatMulNBits block_size)
 
 
 def block_size(k: int) -> int:
-    """The MatMulNBits block: INT8_BLOCK, or the largest power of two >= 16 dividing K (tiny models)."""
-    size = INT8_BLOCK
+    """The MatMulNBits block: QUANT_BLOCK, or the largest power of two >= 16 dividing K (tiny models)."""
+    size = QUANT_BLOCK
     while size > 16 and k % size:
         size //= 2
     if k % size:
@@ -42,16 +44,24 @@ def block_size(k: int) -> int:
     return size
 
 
-def quantize_int8(weight: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric 8-bit blocks of a Linear weight [N, K]: (uint8 [N, K/block, block] offset by 128, scales).
+def quantize_blocks(weight: torch.Tensor, block: int, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric `bits`-bit blocks of a Linear weight [N, K] in MatMulNBits' layout: (uint8 [N, K/block,
+    block * bits / 8], scales [N * K/block]).
 
-    The scale of a block is its largest magnitude / 127, so every weight maps to -127..127 (+128 stored).
+    The scale of a block is its largest magnitude / (2**(bits-1) - 1), so every weight maps to -127..127 (8
+    bits) or -7..7 (4 bits), stored offset by 2**(bits-1), MatMulNBits' zero point when none is given; 4-bit
+    values go two to a byte, the first of each pair in the low half.
     """
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
     n, k = weight.shape
+    levels = 2 ** (bits - 1) - 1
     blocks = weight.detach().float().reshape(n, k // block, block)
-    scales = blocks.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
-    q = torch.round(blocks / scales.unsqueeze(-1)).clamp(-127, 127).to(torch.int16) + 128
-    return q.to(torch.uint8).numpy(), scales.reshape(-1).numpy().astype(np.float32)
+    scales = blocks.abs().amax(dim=-1).clamp(min=1e-12) / levels
+    q = (torch.round(blocks / scales.unsqueeze(-1)).clamp(-levels, levels).to(torch.int16) + levels + 1).to(torch.uint8)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q.contiguous().numpy(), scales.reshape(-1).numpy().astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -97,15 +107,16 @@ class _GraphBuilder:
         return names
 
     def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor | None = None, out: str | None = None) -> str:
-        """x @ weight.T (+ bias): weight [N, K] as 8-bit blocks or fp32."""
+        """x @ weight.T (+ bias): weight [N, K] as 8- or 4-bit blocks, or fp32."""
         n, k = weight.shape
         outputs = [out] if out is not None and bias is None else 1
-        if self.format == "int8":
+        bits = QUANTIZED_BITS.get(self.format)
+        if bits is not None:
             block = block_size(k)
-            q, scales = quantize_int8(weight, block)
+            q, scales = quantize_blocks(weight, block, bits)
             (y,) = self.node(
                 "MatMulNBits", [x, self.const("w", q), self.const("s", scales)], outputs, domain=MS_DOMAIN,
-                K=k, N=n, bits=8, block_size=block, accuracy_level=4,
+                K=k, N=n, bits=bits, block_size=block, accuracy_level=4,
             )
         else:
             (y,) = self.node("MatMul", [x, self.const("w", weight.detach().float().T.contiguous().numpy())], outputs)

@@ -3,9 +3,9 @@
 Everything the engine sees stays as it is: the slot tables, the text track, sampling and the frame outputs
 are `ModelRunner`'s own (PyTorch, a few dozen small ops per frame). What changes is where the bytes are read:
 a talker step is one call of the talker graph over rows 0..b-1, a predictor step one call of the predictor
-graph, and in the int8 format each predictor head is one 8-bit GEMV. At batch 1 a frame reads every weight
-of the talker once and the predictor's fifteen times, so its cost is set by memory bandwidth; 8-bit weights
-read a quarter of fp32's bytes.
+graph, and in the int8 and int4 formats each predictor head is one 8- or 4-bit GEMV. At batch 1 a frame reads
+every weight of the talker once and the predictor's fifteen times, so its cost is set by memory bandwidth;
+8-bit weights read a quarter of fp32's bytes, 4-bit ones an eighth.
 
 The KV caches are `ModelRunner`'s tensors, handed to the graphs by pointer. Rows that are not active in a
 step still run (fixed batch), writing their key at their own next position, which the row's next real token
@@ -160,7 +160,8 @@ class CpuRunner(ModelRunner):
         self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
 
     def _logits(self, x: torch.Tensor, norm: OfficialModule, head: nn.Linear, fused: bool = False) -> torch.Tensor:
-        """head(norm(x)); a predictor head is an 8-bit GEMV in the int8 format (`fused`: unused, no Triton here)."""
+        """head(norm(x)); a predictor head is a GEMV of its 8- or 4-bit graph in the int8 and int4 formats
+        (`fused`: unused, no Triton here)."""
         session = self._heads.get(id(head))
         h = norm(x)
         if session is None:

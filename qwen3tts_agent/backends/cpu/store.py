@@ -1,7 +1,7 @@
 """Converted weights, built once per checkpoint and weight format and cached beside the checkpoint.
 
-A conversion is a folder of ONNX models (`talker.onnx`, `predictor.onnx`, and in the int8 format one per
-predictor output head) with their weights as external data. It lives in `<checkpoint>/.qwen3tts-cpu/`,
+A conversion is a folder of ONNX models (`talker.onnx`, `predictor.onnx`, and in the int8 and int4 formats one
+per predictor output head) with their weights as external data. It lives in `<checkpoint>/.qwen3tts-cpu/`,
 or under the user cache (`$QWEN3TTS_AGENT_CACHE/cpu`, default `~/.cache/qwen3tts-agent/cpu`) when the
 checkpoint folder is read-only. The folder name carries the weight format, `FORMAT_VERSION` and a key of
 the checkpoint's weight file (size and modification time), so a changed checkpoint is converted again.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ...models.compat import OfficialModule
 from ...progress import Progress
-from .graphs import WEIGHT_FORMATS, decoder_stack_graph, linear_graph, stack_shape
+from .graphs import QUANTIZED_BITS, WEIGHT_FORMATS, decoder_stack_graph, linear_graph, stack_shape
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _convert(model: OfficialModule, weight_format: str, folder: Path, progress: 
     talker = model.talker
     predictor = talker.code_predictor
     t_layers, p_layers = list(talker.model.layers), list(predictor.model.layers)
-    heads = list(predictor.lm_head) if weight_format == "int8" else []
+    heads = list(predictor.lm_head) if weight_format in QUANTIZED_BITS else []
     steps = len(t_layers) + len(p_layers) + len(heads)
     with Progress(f"converting weights ({weight_format})", total=steps, unit="layer", enabled=progress, logger=logger) as bar:
         graphs = {
