@@ -133,7 +133,9 @@ def _prepare(args: argparse.Namespace) -> int:
     warmed = time.perf_counter()
     print(f"{args.model} prepared on {engine.device} ({engine.backend} backend, {engine.info.max_streams} slots): "
           f"weights loaded in {loaded - started:.1f} s, warm-up in {warmed - loaded:.1f} s")
-    if engine.backend in ("int8", "int4", "fp32"):
+    from .backends import CPU_BACKENDS
+
+    if engine.backend in CPU_BACKENDS:
         from .backends.cpu.store import conversion_folder
 
         print(f"{engine.backend} weights in {conversion_folder(engine.model, engine.backend)}")

@@ -65,8 +65,7 @@ class VoiceRegistry:
             if folder.name.startswith(".") or not folder.is_dir():
                 continue  # leftovers of an interrupted write or delete
             try:
-                record = VoiceRecord(**json.loads((folder / _META).read_text("utf-8")))
-                found.append((record, load_prompt(folder / _PROMPT)))
+                found.append((_load_record(folder), load_prompt(folder / _PROMPT)))
             except Exception:
                 logger.exception("skipping unreadable voice folder %s", folder)
         return found
@@ -165,9 +164,14 @@ class VoiceRegistry:
             shutil.rmtree(trash, ignore_errors=True)
 
 
+def _load_record(folder: Path) -> VoiceRecord:
+    """The record of a stored voice folder (OSError, ValueError or TypeError if it has no readable one)."""
+    return VoiceRecord(**json.loads((folder / _META).read_text("utf-8")))
+
+
 def _read_record(folder: Path) -> VoiceRecord | None:
     """The record of a stored voice folder, or None if it has no readable one."""
     try:
-        return VoiceRecord(**json.loads((folder / _META).read_text("utf-8")))
+        return _load_record(folder)
     except (OSError, ValueError, TypeError):
         return None
