@@ -276,13 +276,14 @@ def _cumulative(name: str) -> bool:
         return False
     return any(mark in name for mark in ("_total", "_sum", "_count", "loop_seconds", "frames_generated", "steps",
                                          "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors",
-                                         "codec_decodes", "codec_chunks", "clock_releases"))
+                                         "codec_decodes", "codec_chunks", "clock_releases", "first_audio_holds"))
 
 
 def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float | None]:
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
-    step clock's tick for a stream's deadline, and the mean chunks per codec call."""
+    step clock's tick for a stream's deadline and that waited for a new stream's first chunk to decode, and
+    the mean chunks per codec call."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
@@ -290,6 +291,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float
         "steps_per_s": steps / seconds,
         "first_frame_steps_per_s": first / seconds,
         "clock_releases_per_s": metrics.get("qwen3tts_engine_clock_releases", 0.0) / seconds,
+        "first_audio_holds_per_s": metrics.get("qwen3tts_engine_first_audio_holds", 0.0) / seconds,
         "mean_step_batch": (frames - first) / (steps - first) if steps > first else None,  # a first-frame step: ~1 row
         "codec_decodes_per_s": decodes / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,

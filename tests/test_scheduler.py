@@ -295,6 +295,22 @@ def test_batched_steps_keep_to_the_clock_under_load_unless_they_carry_a_first_fr
     assert not make_scheduler().paced([a, b])  # no pace load: never
 
 
+def test_a_first_frame_is_in_flight_from_its_launch_until_its_codes_are_read() -> None:
+    scheduler = make_scheduler()
+    a, b = make_request("a"), make_request("b")
+    start(scheduler, a, [5, 6])
+    step(scheduler, 0.0)
+    start(scheduler, b, [5, 6])
+    assert not scheduler.first_frame_in_flight(scheduler.runnable())  # b's first frame is not queued yet
+    rows = scheduler.runnable()
+    seq = scheduler.on_launched(rows)
+    assert scheduler.first_frame_in_flight(scheduler.runnable())
+    codes = np.zeros((SLOTS, 16), dtype=np.int64)
+    scheduler.on_frame(rows, [r.slot for r in rows], codes, np.zeros(SLOTS), 0.01)
+    scheduler.on_step_done(seq)
+    assert not scheduler.first_frame_in_flight(scheduler.runnable())
+
+
 def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late() -> None:
     from qwen3tts_agent.engine.scheduler import PACE_MARGIN_S
 
@@ -309,6 +325,21 @@ def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late(
     assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 0.02 - PACE_MARGIN_S)
     scheduler.on_launched([a])  # the other in flight: the chunk needs no more steps
     assert scheduler.pace_release([a], 0.02) == float("inf")
+
+
+def test_the_release_counts_the_missing_frames_at_the_devices_step_time_up_to_a_period() -> None:
+    from qwen3tts_agent.engine.scheduler import PACE_MARGIN_S
+
+    scheduler = make_scheduler(pace_load=1)
+    a = make_request("a", schedule=(1, 2, 4))
+    start(scheduler, a, [5, 6])
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=0.01)  # the second chunk (2 frames) is due at 0.09
+    scheduler.record_step_time(0.005)
+    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.005 - PACE_MARGIN_S)
+    for _ in range(40):
+        scheduler.record_step_time(0.05)  # steps slower than the period: one a period
+    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
 
 
 def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_listener() -> None:

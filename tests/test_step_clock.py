@@ -1,5 +1,6 @@
 """The step clock (`Engine(step_period_s=...)`) on the CPU: under load batched steps keep to it, a new stream's
-first frame does not wait for it, and no stream's codes or audio change.
+first frame does not wait for it, a paced step waits while a new stream's first chunk decodes, and no stream's
+codes or audio change.
 
 Each stream's audio is one chunk here, so no stream has a chunk deadline while it steps and the clock is never
 released early for one (`Scheduler.pace_release`, tested in tests/test_scheduler.py)."""
@@ -68,6 +69,47 @@ def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
     assert len(paced) >= FRAMES - 2, launches
     assert min(paced) >= PERIOD_S - 1e-6
     assert elapsed >= (FRAMES - 2) * PERIOD_S
+
+
+def test_a_paced_step_waits_while_a_first_chunk_decodes() -> None:
+    """The CPU has no early codec lane, so the first chunk's decode in flight is played by the test: from the
+    third paced step on, for HOLD_S. No stream has a chunk deadline (one chunk each), so nothing releases the
+    step before the decode is over."""
+    hold_s = 0.3
+    engine = engine_for(
+        "synthetic:tiny", max_streams=STEP_CLOCK_LOAD + 2, step_period_s=0.001, chunk_schedule=(FRAMES,)
+    )
+    core = engine.core
+    paced: list[float] = []  # when each step whose rows had all had their first frame was queued
+    hold_until = [0.0]
+    queue_step = core._queue_step
+
+    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]  # pass-through: records each launch
+        if batched and len(rows) >= STEP_CLOCK_LOAD and all(r.frames_launched for r in rows):
+            paced.append(now)
+            if len(paced) == 3:
+                hold_until[0] = now + hold_s
+        queue_step(rows, now, batched=batched)
+
+    core._queue_step = spy  # type: ignore[method-assign]
+    core.audio.first_audio_in_flight = lambda: time.perf_counter() < hold_until[0]  # type: ignore[method-assign]
+    sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
+    try:
+        voice = xvector_voice(engine)
+        _, alone = engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+        paced.clear()
+        streams = [engine.open_stream(TEXT, voice=voice, sampling=sampling) for _ in range(STEP_CLOCK_LOAD + 1)]
+        for stream in streams:
+            list(stream.chunks(timeout=120))
+        holds = engine.stats().first_audio_holds
+    finally:
+        engine.close()
+    assert len(paced) >= FRAMES - 2, paced
+    assert paced[3] - paced[2] >= hold_s - 0.005  # the launch reads its clock just before it asks
+    assert max(b - a for a, b in zip(paced[3:], paced[4:], strict=False)) < hold_s
+    assert holds == 1
+    for stream in streams:
+        assert stream.result.codes == alone.codes
 
 
 def test_a_negative_period_is_refused() -> None:

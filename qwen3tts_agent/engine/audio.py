@@ -245,6 +245,14 @@ class AudioPipeline:
                 return True
         return False
 
+    def first_audio_in_flight(self) -> bool:
+        """Whether a stream's first chunk is being decoded on the early lane (its decode not yet done): a paced
+        step may wait for it, so that the decode has the device to itself (`EngineCore._launch_step`)."""
+        return any(
+            decoding.event is not None and not decoding.event.query() and any(p.index == 0 for p in decoding.plans)
+            for decoding in self._early_decoding
+        )
+
     def _lane_depth(self) -> int:
         """Decodes queued on the codec lane and not done (0 without a GPU: decodes there are synchronous)."""
         return sum(1 for d in self._decoding if d.event is not None and not d.event.query())

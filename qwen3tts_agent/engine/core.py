@@ -96,7 +96,7 @@ class CoreConfig:
     poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
     prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
-    staged_prefill: bool = False  # one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
+    staged_prefill: bool = False  # with the prefix store, one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
     speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
     codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
     first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
@@ -115,6 +115,7 @@ class CoreStats:
     first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
     clock_releases: int = 0  # paced steps that went before the clock's tick, for a stream's next chunk
+    first_audio_holds: int = 0  # paced steps that waited for a new stream's first frame and first chunk
     speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
     speculation_misses: int = 0  # ... whose token turned out different: the request started over
     codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
@@ -182,6 +183,7 @@ class EngineCore:
         self._failures = 0
         self._stopping = False
         self._pace_release: float | None = None  # until when a paced step may wait (Scheduler.pace_release)
+        self._waited_for_audio = False  # the next batched step has waited for a first chunk's decode
 
     # ----------------------------------------------------------------- the caller's side (any thread)
     def submit(self, message: CoreRequest) -> None:
@@ -455,11 +457,16 @@ class EngineCore:
         rows = self.scheduler.runnable()
         if not rows:
             return False
-        early = not self.pacer.clock_due(now) and self.scheduler.paced(rows)
-        if early:
+        paced = self.scheduler.paced(rows)
+        early = paced and not self.pacer.clock_due(now)
+        # A paced step also waits while a new stream's first frame runs and its first chunk decodes: their
+        # kernels then have the device to themselves instead of queueing for it behind the step's.
+        held = early or (paced and (self.scheduler.first_frame_in_flight(rows) or self.audio.first_audio_in_flight()))
+        if held:
             if self._pace_release is None:  # until the next step, collect or delivery changes a stream's need
                 self._pace_release = self.scheduler.pace_release(rows, self.pacer.step_period_s)
             if now < self._pace_release:
+                self._waited_for_audio |= not early
                 return False
         if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
@@ -468,6 +475,8 @@ class EngineCore:
             self.runner.move_slot(old, new, request.position, request.track_len)
         self._queue_step(rows, now)
         self.stats.clock_releases += early
+        self.stats.first_audio_holds += self._waited_for_audio
+        self._waited_for_audio = False
         return True
 
     def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:

@@ -119,7 +119,7 @@ class Engine(EngineFrontend):
         adapt_chunks: bool | None = None,
         backend: str = "auto",
         prefix_cache: bool = True,
-        staged_prefill: bool = False,
+        staged_prefill: bool | None = None,
         speculative_first_frame: bool = True,
         codec_hold_s: float | None = None,
         first_frame_step_load: int | None = None,
@@ -135,9 +135,10 @@ class Engine(EngineFrontend):
         kernels on a GPU), "torch", "int8", "int4" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
         `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
-        way (the "torch" backend; the CPU backends prefill every head). `staged_prefill` (opt-in): with
-        the prefix cache on a GPU, a one-token text part runs as the talker's Triton decode step in a staging
-        cache instead of a prompt graph (docs/engine.md says what has been verified of it).
+        way (the "torch" backend; the CPU backends prefill every head). `staged_prefill`: with the prefix
+        cache and the Triton kernels, a one-token text part runs as the talker's Triton decode step in a
+        staging cache instead of a padded prompt graph; the codes are the same either way (docs/engine.md).
+        None: on a GPU.
         `speculative_first_frame`: a stream whose text arrives in pieces runs its first frame on the second
         text token as the text stands, holding the audio until that token is final (and starting over in the
         rare case it changes), so the first frame does not wait for the third token; the audio that leaves is
@@ -152,8 +153,10 @@ class Engine(EngineFrontend):
         `step_period_s`: from `STEP_CLOCK_LOAD` streams stepping at once, a batched step starts at most this
         often, unless a stream's next chunk would be late or a new stream's first frame is in it, so streams
         run at about 80 ms / `step_period_s` times real time and the device keeps room between steps for new
-        streams' prompts, first frames and first chunks (`engine/pacer.py`); the audio is the same either
-        way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a GPU with the "torch" backend, else 0."""
+        streams' prompts, first frames and first chunks (`engine/pacer.py`); such a step also waits while a
+        new stream's first frame runs and its first chunk decodes (unless a stream's next chunk would then
+        be late). The audio is
+        the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a GPU with the "torch" backend, else 0."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -169,7 +172,8 @@ class Engine(EngineFrontend):
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
             fused_kernels=fused_kernels, top_k_cap=top_k_cap,
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
-            prefix_cache=prefix_cache, staged_prefill=staged_prefill, speculative_first_frame=speculative_first_frame,
+            prefix_cache=prefix_cache, speculative_first_frame=speculative_first_frame,
+            staged_prefill=self.device.type == "cuda" if staged_prefill is None else staged_prefill,
             codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
             **self._first_frame_step(first_frame_step_load, max_streams),
             step_period_s=self._step_period(step_period_s), pace_load=STEP_CLOCK_LOAD,
@@ -341,6 +345,7 @@ class Engine(EngineFrontend):
             steps=base.steps + now.steps,
             steps_deferred=base.steps_deferred + now.steps_deferred,
             clock_releases=base.clock_releases + now.clock_releases,
+            first_audio_holds=base.first_audio_holds + now.first_audio_holds,
             speculations=base.speculations + now.speculations,
             speculation_misses=base.speculation_misses + now.speculation_misses,
             first_frame_steps=base.first_frame_steps + now.first_frame_steps,

@@ -42,7 +42,7 @@ from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 # A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
 URGENT_SLACK_S = 0.04
 # A paced step waits for the step clock only while every stream in it would still have its next chunk in
-# time: the frames that chunk lacks at one clock period each, plus this long for the last step and the decode.
+# time: the frames that chunk lacks at one step each, plus this long for the last step, the decode and delivery.
 PACE_MARGIN_S = 0.04
 # A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
 # beyond what its listener has heard: the audio is due sooner than their next frames.
@@ -311,8 +311,12 @@ class Scheduler:
 
     def pace_release(self, rows: Sequence[RequestState], period_s: float) -> float:
         """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still
-        gives every stream its next chunk's missing frames, one a period, and `PACE_MARGIN_S` for the last
-        step and the decode, before that chunk's deadline; infinity if no stream presses."""
+        gives every stream its next chunk's missing frames, one step each, and `PACE_MARGIN_S` for the last
+        step and the decode, before that chunk's deadline; infinity if no stream presses. A step takes the
+        device's recent step time (`record_step_time`; a period before any was measured, and at most one):
+        a released step's successors are released by the same rule, one step later each, so a pressed
+        stream's frames go back to back rather than one a tick."""
+        step_s = min(period_s, self.stats.step_seconds) if self.stats.step_seconds else period_s
         release = math.inf
         for request in rows:
             deadline = request.deadline()
@@ -320,8 +324,12 @@ class Scheduler:
                 continue
             missing = request.next_chunk_frames - len(request.pending) - (request.frames_launched - request.frames)
             if missing > 0:
-                release = min(release, deadline - missing * period_s - PACE_MARGIN_S)
+                release = min(release, deadline - missing * step_s - PACE_MARGIN_S)
         return release
+
+    def first_frame_in_flight(self, rows: Sequence[RequestState]) -> bool:
+        """Whether a stream among `rows` has its first frame on the device (queued, not yet read back)."""
+        return any(r.frames == 0 and r.frames_launched for r in rows)
 
     def first_frame_rows(self) -> list[RequestState]:
         """Requests in first-frame slots whose first frame can run now, in a step of those slots alone."""

@@ -15,7 +15,8 @@ _LATENESS_BUCKETS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
 # engine.stats() fields exported as qwen3tts_engine_<field>
 _ENGINE_FIELDS = (
     "active_streams", "queued_streams", "max_streams", "frames_generated", "streams_started", "cancels", "errors",
-    "steps", "first_frame_steps", "steps_deferred", "clock_releases", "speculations", "speculation_misses", "codec_decodes", "codec_chunks", "late_chunks",
+    "steps", "first_frame_steps", "steps_deferred", "clock_releases", "first_audio_holds", "speculations",
+    "speculation_misses", "codec_decodes", "codec_chunks", "late_chunks",
     "underrun_seconds", "overloaded", "healthy", "restarts",
     "device_memory_bytes", "core_rss_bytes",
 )
