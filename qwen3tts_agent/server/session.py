@@ -5,16 +5,15 @@ Two tasks share the socket. The reader parses client messages and feeds text int
 synthesis slot, streams the audio, and ends each with a `done` message carrying its metrics. A cancel or a
 disconnect stops the engine streams explicitly, so no GPU work outlives the client that asked for it.
 
-Every send has a deadline (`send_timeout_s`): a client that stops reading fills the connection's bounded
-send buffer, the next send times out, and the session cancels its utterances (freeing their slots) and
-closes with 4010, so a client that does not read can never hold synthesis capacity.
+Every send has a deadline (`send_timeout_s`, `server/outbox.py`): a client that stops reading fills the
+connection's bounded send buffer, the next send times out, and the session cancels its utterances (freeing
+their slots) and closes with 4010, so a client that does not read can never hold synthesis capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -27,6 +26,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDiscon
 
 from ..errors import Qwen3TTSAgentError, StreamCancelledError
 from .audio import BYTES_PER_SAMPLE, PcmEncoder
+from .outbox import Gone, SessionOutbox, Stalled
 from .protocol import (
     CLOSE_IDLE,
     CLOSE_INTERNAL,
@@ -46,21 +46,6 @@ from .protocol import (
 from .state import ServerState, SynthesisSettings
 
 logger = logging.getLogger(__name__)
-
-# what starlette/uvicorn raise when sending on a socket that is closing or closed
-_SEND_ERRORS = (WebSocketDisconnect, WebSocketDisconnected, OSError, RuntimeError)
-
-# After a send timed out, how long the `send_timeout` error may still wait for room before the close goes out.
-_LAST_WORDS_S = 1.0
-
-
-class _Gone(Exception):
-    """The peer is gone (or we closed): stop sending and wind the session down."""
-
-
-class _Stalled(_Gone):
-    """A send waited `send_timeout_s` for a client that does not read (the session is being closed)."""
-
 
 @dataclass(eq=False)
 class _Utterance:
@@ -95,6 +80,7 @@ def first_chunk_stages(timings: Any, sent: float) -> dict[str, float]:
 class StreamSession:
     def __init__(self, ws: WebSocket, state: ServerState) -> None:
         self._ws = ws
+        self._out = SessionOutbox(ws, send_timeout_s=state.config.send_timeout_s, on_stall=self._close_stalled)
         self._state = state
         self._config = state.config
         self._metrics = state.metrics
@@ -105,13 +91,8 @@ class StreamSession:
         self._next_uid = 1
         self._wakeup = asyncio.Event()
         self._closing = False
-        self._gone = False
-        self._send_lock = asyncio.Lock()
-        self._mid_audio = False  # an audio header went out and its binary frame has not (yet)
-        self._stalled = False  # a send timed out: the client does not read
         self._stall_closer: asyncio.Task[None] | None = None
         self._end_reason = "disconnect"  # why utterances still open at teardown are cancelled (metrics)
-        self._last_activity = time.monotonic()  # the last message either way
         self._runner: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
@@ -122,9 +103,9 @@ class StreamSession:
                 message = await self._ws.receive()
                 if message["type"] == "websocket.disconnect":
                     break
-                self._last_activity = time.monotonic()
+                self._out.touch()
                 await self._on_message(message)
-        except (_Gone, WebSocketDisconnect, WebSocketDisconnected):
+        except (Gone, WebSocketDisconnect, WebSocketDisconnected):
             pass
         except Exception:
             logger.exception("session %s failed", self.session_id)
@@ -143,8 +124,8 @@ class StreamSession:
             await self._send_error(
                 ApiError("message_too_large", f"message exceeds {self._config.max_message_bytes} bytes")
             )
-            await self._close(CLOSE_TOO_LARGE, "message too large")
-            raise _Gone
+            await self._out.close(CLOSE_TOO_LARGE, "message too large")
+            raise Gone
         try:
             await self._dispatch(parse_client_message(raw))
         except ApiError as err:
@@ -179,7 +160,7 @@ class StreamSession:
             chunk_schedule=msg.chunk_schedule,
         )
         self._settings = settings
-        await self._send_json(
+        await self._out.send_json(
             {
                 "type": "ready",
                 "session_id": self.session_id,
@@ -274,9 +255,9 @@ class StreamSession:
                 utt = self._queue[0]
                 await self._speak(utt)
                 self._queue.popleft()
-                self._last_activity = time.monotonic()
-            await self._close(CLOSE_NORMAL, "session closed")
-        except _Gone:
+                self._out.touch()
+            await self._out.close(CLOSE_NORMAL, "session closed")
+        except Gone:
             pass
         except Exception:
             logger.exception("session %s failed", self.session_id)
@@ -356,7 +337,7 @@ class StreamSession:
                         "samples": len(data) // BYTES_PER_SAMPLE[fmt.encoding],
                         "is_last": chunk.is_last,
                     }
-                    await self._send_audio(header, data)
+                    await self._out.send_audio(header, data)
                     sent = time.perf_counter()
                     clock.sent(sent, chunk.duration)
                     if first_audio is None:
@@ -365,10 +346,10 @@ class StreamSession:
                     seq += 1
         except StreamCancelledError:
             pass
-        except _Gone as gone:
+        except Gone as gone:
             stream.cancel()  # at once, before the slot is released: nobody will hear the rest
             # the teardown counts it with the cancels by disconnect (a stalled client's are counted as it closes)
-            utt.cut_short = not isinstance(gone, _Stalled)
+            utt.cut_short = not isinstance(gone, Stalled)
             raise
         except Exception as exc:
             logger.exception("session %s utterance %d failed", self.session_id, utt.uid)
@@ -431,7 +412,7 @@ class StreamSession:
     async def _send_done(self, utt: _Utterance, finish_reason: str, metrics: dict[str, Any] | None = None) -> None:
         if finish_reason == "cancelled":
             self._count(utt, "cancelled")
-        await self._send_json(
+        await self._out.send_json(
             {"type": "done", "utterance_id": utt.uid, "finish_reason": finish_reason, "metrics": metrics}
         )
 
@@ -440,34 +421,7 @@ class StreamSession:
         body: dict[str, Any] = {"type": "error", "code": err.code, "status": err.status, "message": err.message}
         if uid is not None:
             body["utterance_id"] = uid
-        await self._send_json(body)
-
-    async def _send_json(self, body: dict[str, Any]) -> None:
-        async with self._send_lock:
-            await self._raw_send({"type": "websocket.send", "text": json.dumps(body, separators=(",", ":"))})
-
-    async def _send_audio(self, header: dict[str, Any], data: bytes) -> None:
-        # header and payload go out back to back, so a client can always pair them
-        async with self._send_lock:
-            await self._raw_send({"type": "websocket.send", "text": json.dumps(header, separators=(",", ":"))})
-            self._mid_audio = True
-            await self._raw_send({"type": "websocket.send", "bytes": data})
-            self._mid_audio = False
-
-    async def _raw_send(self, message: dict[str, Any]) -> None:
-        if self._gone:
-            raise _Gone
-        try:
-            # The send waits only while the connection's send buffer is full, i.e. the client is not reading.
-            await asyncio.wait_for(self._ws.send(message), self._config.send_timeout_s)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
-            self._gone = self._stalled = True
-            self._close_stalled()  # its close ends the reader, whose teardown waits for it
-            raise _Stalled from None
-        except _SEND_ERRORS:
-            self._gone = True
-            raise _Gone from None
-        self._last_activity = time.monotonic()
+        await self._out.send_json(body)
 
     def _close_stalled(self) -> asyncio.Task[None]:
         """Start (once) closing a client that stopped reading; a task, so the teardown cannot cut it short."""
@@ -485,33 +439,15 @@ class StreamSession:
         timeout = self._config.send_timeout_s
         err = ApiError("send_timeout", f"the client read nothing for {timeout:g}s; its utterances were cancelled")
         self._state.count_error(err)
-        body = json.dumps({"type": "error", "code": err.code, "status": err.status, "message": err.message})
-        with contextlib.suppress(asyncio.TimeoutError, *_SEND_ERRORS):
-            # Never between an audio header and its payload; and only if room appears soon.
-            await asyncio.wait_for(self._send_lock.acquire(), _LAST_WORDS_S)
-            try:
-                if not self._mid_audio:
-                    await asyncio.wait_for(self._ws.send({"type": "websocket.send", "text": body}), _LAST_WORDS_S)
-            finally:
-                self._send_lock.release()
-        with contextlib.suppress(asyncio.TimeoutError, *_SEND_ERRORS):
-            # BoundedWebSocketProtocol queues the close without waiting; the bound covers any other server.
-            await asyncio.wait_for(self._ws.close(CLOSE_SEND_TIMEOUT, "send_timeout"), _LAST_WORDS_S)
-
-    async def _close(self, code: int, reason: str) -> None:
-        async with self._send_lock:
-            if self._gone:
-                return
-            self._gone = True
-            with contextlib.suppress(*_SEND_ERRORS):
-                await self._ws.close(code, reason)
+        body = {"type": "error", "code": err.code, "status": err.status, "message": err.message}
+        await self._out.last_words(body, CLOSE_SEND_TIMEOUT, "send_timeout")
 
     async def _fatal(self, err: ApiError, code: int) -> None:
         try:
             await self._send_error(err)
-        except _Gone:
+        except Gone:
             return
-        await self._close(code, err.message[:100])
+        await self._out.close(code, err.message[:100])
 
     async def _idle_watchdog(self) -> None:
         """Close a session with no message either way for idle_timeout_s, unless it is waiting for a slot.
@@ -521,7 +457,7 @@ class StreamSession:
         """
         timeout = self._config.idle_timeout_s
         while True:
-            idle_for = time.monotonic() - self._last_activity
+            idle_for = time.monotonic() - self._out.last_activity
             if self._waiting_for_slot():
                 await asyncio.sleep(min(timeout, 1.0))
                 continue
@@ -540,8 +476,8 @@ class StreamSession:
         Utterances that never got their `done` are counted as cancelled, so the metrics add up to every
         utterance opened.
         """
-        self._gone = True
-        if self._stalled:
+        self._out.gone = True
+        if self._out.stalled:
             await self._close_stalled()
         # streams the client's departure cut short: still running, or cancelled as a send to it failed
         interrupted = [u for u in self._queue if u.stream is not None and (u.cut_short or not u.stream.done)]
