@@ -282,8 +282,8 @@ def _cumulative(name: str) -> bool:
 def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float | None]:
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
-    step clock's tick for a stream's deadline and that waited for a new stream's first chunk to decode, and
-    the mean chunks per codec call."""
+    step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
+    and the mean chunks per codec call."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)

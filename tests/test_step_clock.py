@@ -73,7 +73,7 @@ def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
 
 def test_a_paced_step_waits_while_a_first_chunk_decodes() -> None:
     """The CPU has no early codec lane, so the first chunk's decode in flight is played by the test: from the
-    third paced step on, for HOLD_S. No stream has a chunk deadline (one chunk each), so nothing releases the
+    third paced step on, for `hold_s`. No stream has a chunk deadline (one chunk each), so nothing releases the
     step before the decode is over."""
     hold_s = 0.3
     engine = engine_for(

@@ -96,7 +96,7 @@ class CoreConfig:
     poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
     prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
-    staged_prefill: bool = False  # with the prefix store, one-token text parts as the Triton decode step (`ModelRunner.staged_prefill`)
+    staged_prefill: bool = False  # with the prefix store, one-token text parts as the Triton decode step (Prefills)
     speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
     codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
     first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
@@ -183,7 +183,7 @@ class EngineCore:
         self._failures = 0
         self._stopping = False
         self._pace_release: float | None = None  # until when a paced step may wait (Scheduler.pace_release)
-        self._waited_for_audio = False  # the next batched step has waited for a first chunk's decode
+        self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
 
     # ----------------------------------------------------------------- the caller's side (any thread)
     def submit(self, message: CoreRequest) -> None:

@@ -155,8 +155,8 @@ class Engine(EngineFrontend):
         run at about 80 ms / `step_period_s` times real time and the device keeps room between steps for new
         streams' prompts, first frames and first chunks (`engine/pacer.py`); such a step also waits while a
         new stream's first frame runs and its first chunk decodes (unless a stream's next chunk would then
-        be late). The audio is
-        the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a GPU with the "torch" backend, else 0."""
+        be late). The audio is the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a
+        GPU with the "torch" backend, else 0."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
