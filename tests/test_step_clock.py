@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,20 +24,25 @@ PERIOD_S = 0.15  # well above a step of the tiny model on two cores (~45 ms with
 FRAMES = 12
 
 
+def _on_batched_launch(core: Any, record: Callable[[Any, float], None]) -> None:
+    """Call `record(rows, now)` for every batched step the core queues (a pass-through spy on `_queue_step`)."""
+    queue_step = core._queue_step
+
+    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
+        if batched:
+            record(rows, now)
+        queue_step(rows, now, batched=batched)
+
+    core._queue_step = spy
+
+
 def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
     engine = engine_for(
         "synthetic:tiny", max_streams=STEP_CLOCK_LOAD + 2, step_period_s=PERIOD_S, chunk_schedule=(FRAMES,)
     )
     core = engine.core
     launches: list[tuple[float, int, bool]] = []  # (when, rows, whether every row had had its first frame)
-    queue_step = core._queue_step
-
-    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]  # pass-through: records each launch
-        if batched:
-            launches.append((now, len(rows), all(r.frames_launched for r in rows)))
-        queue_step(rows, now, batched=batched)
-
-    core._queue_step = spy  # type: ignore[method-assign]
+    _on_batched_launch(core, lambda rows, now: launches.append((now, len(rows), all(r.frames_launched for r in rows))))
     sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
     try:
         voice = xvector_voice(engine)
@@ -82,16 +89,14 @@ def test_a_paced_step_waits_while_a_first_chunk_decodes() -> None:
     core = engine.core
     paced: list[float] = []  # when each step whose rows had all had their first frame was queued
     hold_until = [0.0]
-    queue_step = core._queue_step
 
-    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]  # pass-through: records each launch
-        if batched and len(rows) >= STEP_CLOCK_LOAD and all(r.frames_launched for r in rows):
+    def record(rows: Any, now: float) -> None:
+        if len(rows) >= STEP_CLOCK_LOAD and all(r.frames_launched for r in rows):
             paced.append(now)
             if len(paced) == 3:
                 hold_until[0] = now + hold_s
-        queue_step(rows, now, batched=batched)
 
-    core._queue_step = spy  # type: ignore[method-assign]
+    _on_batched_launch(core, record)
     core.audio.first_audio_in_flight = lambda: time.perf_counter() < hold_until[0]  # type: ignore[method-assign]
     sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
     try:
