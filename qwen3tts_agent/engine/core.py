@@ -486,8 +486,10 @@ class EngineCore:
             assert request.slot is not None  # runnable rows always hold a slot
             slots.append(request.slot)
         kv_len = max(r.position for r in rows) + 1
-        step = self.steps.queue(self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below)
-        if step.done is None:  # no device events: the step ran synchronously, now is its end
+        step = self.steps.queue(
+            self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
+        )
+        if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
             self.scheduler.record_step_time(time.perf_counter() - now)
         self.pacer.launched(step.bucket, now, batched=batched)
         self.stats.steps += 1
@@ -503,7 +505,7 @@ class EngineCore:
         for step in self.steps.completed():
             gpu_seconds = step.device_seconds()
             self.pacer.completed(gpu_seconds)
-            if gpu_seconds is not None:
+            if gpu_seconds is not None and step.batched:
                 self.scheduler.record_step_time(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()

@@ -52,12 +52,12 @@ GPU_CODEC_HOLD_S = 0.05
 # Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest four is about
 # a lone stream's, and four arrivals within one batched step are rare below a hundred new streams a second.
 FIRST_FRAME_SLOTS = 4
-# From how many streams stepping at once they are used: where a batched step runs the 32-row graphs, which
-# take well over a first-frame step (docs/performance.md); below that the extra step costs about what it saves.
-FIRST_FRAME_STEP_LOAD = 24
 # From how many streams stepping at once batched steps keep to the step clock (`step_period_s`): one stream,
 # or a few, run as fast as the device goes.
 STEP_CLOCK_LOAD = 8
+# From how many streams stepping at once first-frame slots are used: where the step clock starts, since a new
+# stream's first frame in a batched step would send that step, and every stream in it, off before its tick.
+FIRST_FRAME_STEP_LOAD = STEP_CLOCK_LOAD
 # The step clock's period on a GPU (`step_period_s`): streams at about 4x real time under load, which gives the
 # chunk schedule's early chunks room to spare (a 2-frame second chunk due 80 ms after the first: docs/gpu.md).
 GPU_STEP_PERIOD_S = 0.02

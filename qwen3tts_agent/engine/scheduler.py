@@ -378,7 +378,10 @@ class Scheduler:
         return True
 
     def record_step_time(self, seconds: float) -> None:
-        """How long a step took on the device: steps near a frame's duration leave streams no headroom."""
+        """How long a batched step took on the device: steps near a frame's duration leave streams no headroom
+        (`overloaded`), and a pressed stream's frames come one batched step each (`pace_release`). The core
+        leaves out the first-frame slots' steps: a few rows, far quicker than a batched step beside them, they
+        would make both figures too low under load."""
         ema = self.stats.step_seconds
         self.stats.step_seconds = seconds if ema == 0.0 else 0.9 * ema + 0.1 * seconds
 

@@ -33,6 +33,7 @@ class QueuedStep:
     host: torch.Tensor  # pinned copy of the runner's frame_out: 16 codes, then the EOS flag, per slot
     started: torch.cuda.Event | None
     done: torch.cuda.Event | None  # None: the step ran synchronously (no device events)
+    batched: bool = True  # every runnable row, not the first-frame slots alone
 
     def device_seconds(self) -> float | None:
         if self.started is None or self.done is None:
@@ -60,11 +61,12 @@ class FrameSteps:
 
     def queue(
         self, seq: int, rows: list[RequestState], slots: list[int], kv_len: int,
-        sampling: Callable[[int], tuple[bool, bool]],
+        sampling: Callable[[int], tuple[bool, bool]], *, batched: bool = True,
     ) -> QueuedStep:
         """Queue one frame for `rows` at `slots`: rows [0, highest slot] of the slot tables step, the others
         inactive. `sampling(b)` says whether any row below `b` samples its talker and its predictor codes (the
-        eager step's shortcut for greedy decoding; the graphs sample per row)."""
+        eager step's shortcut for greedy decoding; the graphs sample per row). `batched`: a step of every
+        runnable row, not the first-frame slots alone."""
         runner = self.runner
         ordered = sorted(slots)
         b = ordered[-1] + 1
@@ -91,7 +93,7 @@ class FrameSteps:
         if started is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        step = QueuedStep(seq, rows, slots, b, host, started, done)
+        step = QueuedStep(seq, rows, slots, b, host, started, done, batched)
         self._queued.append(step)
         return step
 
