@@ -37,7 +37,7 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
     core = engine.core
     batched_steps: list[int] = []  # rows of every batched step queued
     timed_steps: list[float] = []  # every step time the scheduler was given
-    queue_step, record_step_time = core._queue_step, core.scheduler.record_step_time
+    queue_step, record_step_time = core.launcher._queue_step, core.scheduler.record_step_time
 
     def queue_spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
         if batched:
@@ -48,7 +48,7 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
         timed_steps.append(seconds)
         record_step_time(seconds)
 
-    core._queue_step = queue_spy  # type: ignore[method-assign]
+    core.launcher._queue_step = queue_spy  # type: ignore[method-assign]
     core.scheduler.record_step_time = record_spy  # type: ignore[method-assign]
     try:
         voice = xvector_voice(engine)

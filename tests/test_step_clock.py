@@ -26,14 +26,14 @@ FRAMES = 12
 
 def _on_batched_launch(core: Any, record: Callable[[Any, float], None]) -> None:
     """Call `record(rows, now)` for every batched step the core queues (a pass-through spy on `_queue_step`)."""
-    queue_step = core._queue_step
+    queue_step = core.launcher._queue_step
 
     def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
         if batched:
             record(rows, now)
         queue_step(rows, now, batched=batched)
 
-    core._queue_step = spy
+    core.launcher._queue_step = spy
 
 
 def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
@@ -67,7 +67,9 @@ def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
     assert releases == 0
     for stream in streams:
         assert stream.result.codes == alone.codes
-    np.testing.assert_allclose(audio[0], audio[-1], atol=1e-6)
+    # which chunks share a codec call depends on timing, and a batched call's float sums may differ in the
+    # last bits (up to ~1.5e-6 seen on two busy cores): the codes above are the exact check
+    np.testing.assert_allclose(audio[0], audio[-1], atol=1e-5)
     paced = [
         t1 - t0
         for (t0, _, _), (t1, rows, old) in zip(launches, launches[1:], strict=False)

@@ -247,7 +247,7 @@ class AudioPipeline:
 
     def first_audio_in_flight(self) -> bool:
         """Whether a stream's first chunk is being decoded on the early lane (its decode not yet done): a paced
-        step may wait for it, so that the decode has the device to itself (`EngineCore._launch_step`)."""
+        step may wait for it, so that the decode has the device to itself (`StepLauncher._launch_step`)."""
         return any(
             decoding.event is not None and not decoding.event.query() and any(p.index == 0 for p in decoding.plans)
             for decoding in self._early_decoding

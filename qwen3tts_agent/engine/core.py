@@ -8,8 +8,8 @@ process of its own (`engine/process.py`).
 
 Each turn of the loop: apply messages; admit waiting requests and prefill their prompts on a lane of their
 own (so a new stream's prompt runs beside the step in flight, not behind it); feed newly final text; queue
-the next frame step when the pacer says so; read the steps that completed and start decoding the chunks
-that are due, most urgent first; hand decoded audio out. The loop never blocks on the device while work is
+the frame steps now due and read the ones that completed, starting the decodes of the chunks that are due
+(`engine/launcher.py`); hand decoded audio out. The loop never blocks on the device while work is
 queued: it polls, waiting on its message queue in between, so a request that arrives is seen at once.
 
 Faults stay as small as they can: a bad message or a prompt that cannot be built fails its request only;
@@ -20,13 +20,14 @@ the device reports a fault that poisons its context, the loop stops, ends every 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,8 +41,10 @@ from ..errors import (
 )
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline
+from .core_config import CoreConfig, CoreStats
 from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
 from .lanes import LanePriorities
+from .launcher import StepLauncher
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -51,6 +54,7 @@ from .messages import (
     CoreRequest,
     ErrorInfo,
     FinishOutput,
+    OutputSink,
     PromptSpec,
 )
 from .pacer import StepPacer
@@ -58,68 +62,14 @@ from .prefill import MAX_PREFILL_ROWS, Prefills, prefix_store_options
 from .prompt import PromptBuilder
 from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .runner import PrefillRow
-from .sampling import DEFAULT_TOP_K_CAP
 from .scheduler import Scheduler
 from .steps import FrameSteps
-from .types import DEFAULT_CHUNK_SCHEDULE, ChunkTimings, FinishReason, SamplingParams
+from .types import ChunkTimings, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Consecutive failed steps after which the loop gives up (the device is not coming back by itself).
 MAX_CONSECUTIVE_FAILURES = 3
-# Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
-# for it (see `Scheduler.steps_can_wait`), so the codec lane gets the device before listeners starve.
-URGENT_AUDIO_S = 0.06
-
-
-class OutputSink(Protocol):
-    """Where the core's outputs go; called on the core's thread, so implementations must not block."""
-
-    def chunk(self, output: ChunkOutput) -> None: ...
-
-    def finish(self, output: FinishOutput) -> None: ...
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """Sizes and switches of one engine core (see `Engine` for what each means to a caller)."""
-
-    max_streams: int = 16
-    max_seq_len: int = 2048
-    backend: str = "torch"  # a resolved backend (`qwen3tts_agent.backends`): "torch", "int8", "int4" or "fp32"
-    chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
-    keep_codes: bool = False
-    use_cuda_graphs: bool = True
-    overlap_codec: bool = True
-    fused_kernels: bool = True
-    top_k_cap: int = DEFAULT_TOP_K_CAP
-    poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
-    adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
-    prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
-    staged_prefill: bool = False  # with the prefix store, one-token text parts as the Triton decode step (Prefills)
-    speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
-    codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
-    first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
-    first_frame_load: int = 0  # ... from this many streams stepping
-    step_period_s: float = 0.0  # under load, batched steps at most this often (StepPacer's clock); 0: off
-    pace_load: int = 0  # ... from this many streams stepping (Scheduler.paced)
-
-
-@dataclass
-class CoreStats:
-    frames_generated: int = 0
-    streams_started: int = 0
-    cancels: int = 0
-    errors: int = 0
-    steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
-    first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
-    steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
-    clock_releases: int = 0  # paced steps that went before the clock's tick, for a stream's next chunk
-    first_audio_holds: int = 0  # paced steps that waited for a new stream's first frame and first chunk
-    speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
-    speculation_misses: int = 0  # ... whose token turned out different: the request started over
-    codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
-    codec_chunks: int = 0  # chunks they decoded
 
 
 class EngineCore:
@@ -180,10 +130,9 @@ class EngineCore:
         )
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
+        self.launcher = StepLauncher(self.scheduler, self.runner, self.steps, self.pacer, self.audio, self.stats, self._sampling)
         self._failures = 0
         self._stopping = False
-        self._pace_release: float | None = None  # until when a paced step may wait (Scheduler.pace_release)
-        self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
 
     # ----------------------------------------------------------------- the caller's side (any thread)
     def submit(self, message: CoreRequest) -> None:
@@ -246,9 +195,11 @@ class EngineCore:
         progressed = self._prompts()
         started = self._timed("prompts", started)
         try:
-            progressed |= self._launch()
+            progressed |= self.launcher.launch()
             started = self._timed("launch", started)
-            progressed |= self._collect()
+            if self.launcher.collect():
+                progressed = True
+                self._failures = 0  # a step came through: the device works
             started = self._timed("collect", started)
             progressed |= self._deliver()
             started = self._timed("deliver", started)
@@ -429,96 +380,7 @@ class EngineCore:
             self.runner.append_text(request.slot, request.track_len, ids)
         self.scheduler.on_fed(request, ids)
 
-    # ----------------------------------------------------------------- steps
-    def _launch(self) -> bool:
-        """Queue the steps now due: new streams' first frames at once (under load, in first-frame slots), and
-        one frame for every runnable request when the pacer says the device is about to need it."""
-        first = self._launch_first_frames()
-        return self._launch_step() or first
-
-    def _launch_first_frames(self) -> bool:
-        """A step of the first-frame slots alone, for new streams whose first frame can run, right behind the
-        step in flight instead of behind it and a whole batched step of its own."""
-        if not self.scheduler.first_frame_slots or not self.pacer.may_queue():
-            return False
-        rows = self.scheduler.first_frame_rows()
-        if not rows:
-            return False
-        self._queue_step(rows, time.perf_counter(), batched=False)
-        self.stats.first_frame_steps += 1
-        return True
-
-    def _launch_step(self) -> bool:
-        """Queue one frame for every runnable request, when the pacer says the device is about to need it (and,
-        under load, when its step clock says so)."""
-        now = time.perf_counter()
-        if not self.pacer.may_launch(now):
-            return False
-        rows = self.scheduler.runnable()
-        if not rows:
-            return False
-        paced = self.scheduler.paced(rows)
-        early = paced and not self.pacer.clock_due(now)
-        # A paced step also waits while a new stream's first frame runs and its first chunk decodes: their
-        # kernels then have the device to themselves instead of queueing for it behind the step's.
-        held = early or (paced and (self.scheduler.first_frame_in_flight(rows) or self.audio.first_audio_in_flight()))
-        if held:
-            if self._pace_release is None:  # until the next step, collect or delivery changes a stream's need
-                self._pace_release = self.scheduler.pace_release(rows, self.pacer.step_period_s)
-            if now < self._pace_release:
-                self._waited_for_audio |= not early
-                return False
-        if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
-            self.stats.steps_deferred += 1
-            return False
-        for request, old, new in self.scheduler.moves():  # out of first-frame slots, right before this step
-            self.runner.move_slot(old, new, request.position, request.track_len)
-        self._queue_step(rows, now)
-        self.stats.clock_releases += early
-        self.stats.first_audio_holds += self._waited_for_audio
-        self._waited_for_audio = False
-        return True
-
-    def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
-        self._pace_release = None
-        slots: list[int] = []
-        for request in rows:
-            assert request.slot is not None  # runnable rows always hold a slot
-            slots.append(request.slot)
-        kv_len = max(r.position for r in rows) + 1
-        step = self.steps.queue(
-            self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
-        )
-        if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
-            self.scheduler.record_step_time(time.perf_counter() - now)
-        self.pacer.launched(step.bucket, now, batched=batched)
-        self.stats.steps += 1
-
-    def _sampling_below(self, b: int) -> tuple[bool, bool]:
-        """Whether any request in slots [0, b) samples its talker token, and its predictor codes."""
-        in_batch = [self._sampling[r.request_id] for r in self.scheduler.running.values() if r.slot is not None and r.slot < b]
-        return any(s.do_sample for s in in_batch), any(s.subtalker_do_sample for s in in_batch)
-
-    def _collect(self) -> bool:
-        """Read every completed step (oldest first) and start decoding the chunks that are due."""
-        progressed = False
-        for step in self.steps.completed():
-            gpu_seconds = step.device_seconds()
-            self.pacer.completed(gpu_seconds)
-            if gpu_seconds is not None and step.batched:
-                self.scheduler.record_step_time(gpu_seconds)
-            out = step.host.numpy()
-            now = time.perf_counter()
-            self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
-            plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
-            self._pace_release = None
-            self.scheduler.on_step_done(step.seq)
-            self._failures = 0  # a step came through: the device works
-            if plans:
-                self.audio.decode(plans, now, self._audio_streams())
-            progressed = True
-        return progressed
-
+    # ----------------------------------------------------------------- audio
     def _deliver(self) -> bool:
         """Hand decoded chunks to their requests; end requests whose last chunk this was; launch the codec-lane
         decodes now due (a held chunk falls due by the clock alone)."""
@@ -533,17 +395,13 @@ class EngineCore:
                 self._held.setdefault(request.request_id, []).append((plan, pcm))
                 continue
             self._deliver_chunk(plan, pcm)
-        return self.audio.pump(time.perf_counter(), self._audio_streams()) or progressed
-
-    def _audio_streams(self) -> int:
-        """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""
-        return len(self.scheduler.running) + len(self.scheduler.finishing)
+        return self.audio.pump(time.perf_counter(), self.scheduler.audio_streams()) or progressed
 
     def _deliver_chunk(self, plan: ChunkPlan, pcm: np.ndarray) -> None:
         request = plan.request
         now = time.perf_counter()
         self.scheduler.on_delivered(plan, now)
-        self._pace_release = None
+        self.launcher.replan()
         timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
         output = ChunkOutput(
             request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
@@ -558,8 +416,7 @@ class EngineCore:
     def _step_failed(self, exc: Exception) -> None:
         """A step, a collect or a decode raised: fail what was in flight, and stop if the device is gone."""
         logger.exception("engine step failed; failing the requests in it")
-        self.steps.clear()
-        self.pacer.clear()
+        self.launcher.clear()
         self.audio.clear()
         self.scheduler.on_steps_abandoned()
         for request in self.scheduler.live():
@@ -618,7 +475,7 @@ class EngineCore:
             return None
 
     def _lane(self, stream: torch.cuda.Stream | None) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else _no_lane()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _timed(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -632,14 +489,6 @@ class _Control:
 
     fn: Callable[[], Any] | None
     future: Future[Any] | None
-
-
-class _no_lane:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _text_wait(request: RequestState) -> float:

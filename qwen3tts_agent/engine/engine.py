@@ -31,7 +31,8 @@ from ..errors import (
 )
 from ..models.compat import OfficialModule
 from ..reference import warmup_reference
-from .core import CoreConfig, CoreStats, EngineCore
+from .core import EngineCore
+from .core_config import CoreConfig, CoreStats
 from .frontend import EngineFrontend, EngineStats, ModelInfo
 from .messages import CoreRequest
 from .sampling import DEFAULT_TOP_K_CAP

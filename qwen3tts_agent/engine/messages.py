@@ -8,6 +8,7 @@ knows a request by its id and answers with outputs addressed to that id.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -112,3 +113,11 @@ class FinishOutput:
     codes: list[list[int]] = field(default_factory=list)  # [frames][16], when the core keeps codes
     # the original exception, in-process only (a process boundary carries `error`): callers see what was raised
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+class OutputSink(Protocol):
+    """Where the core's outputs go; called on the core's thread, so implementations must not block."""
+
+    def chunk(self, output: ChunkOutput) -> None: ...
+
+    def finish(self, output: FinishOutput) -> None: ...

@@ -18,7 +18,7 @@ class StepPacer:
     step was queued, unless a stream's next chunk would then be late (`Scheduler.pace_release`): under load
     every stream runs at about `FRAME_SECONDS / step_period_s` times real time, and the device keeps room
     between steps for new streams (the core also holds a paced step while a new stream's first frame
-    runs and its first chunk decodes, `EngineCore._launch_step`). 0 turns the clock off.
+    runs and its first chunk decodes, `StepLauncher._launch_step`). 0 turns the clock off.
     """
 
     def __init__(self, *, margin_s: float = 0.0008, max_in_flight: int = 2, step_period_s: float = 0.0) -> None:

@@ -477,5 +477,9 @@ class Scheduler:
         slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
         return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
 
+    def audio_streams(self) -> int:
+        """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""
+        return len(self.running) + len(self.finishing)
+
     def live(self) -> list[RequestState]:
         return list(self.requests.values())
