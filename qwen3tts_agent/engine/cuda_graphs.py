@@ -30,6 +30,7 @@ from ..progress import track
 from .codec import StreamingCodecDecoder
 from .host import upload
 from .runner import ModelRunner, PrefillRow
+from .staging import StagingCache
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class GraphedPrefill:
 
 
 class GraphedStagedPrefill:
-    """CUDA graphs of `ModelRunner.staged_prefill_forward`, one per (rows, KV length) bucket.
+    """CUDA graphs of `StagingCache.forward`, one per (rows, KV length) bucket.
 
     A prompt whose voice prefix came from the prefix store has a one-token text-dependent part (CustomVoice,
     x-vector clones, VoiceDesign). The batched prompt graphs would pad it to their smallest length bucket and
@@ -221,15 +222,14 @@ class GraphedStagedPrefill:
     cache, starting at the prefix's length.
     """
 
-    def __init__(self, runner: ModelRunner, kv_buckets: Iterable[int]) -> None:
-        if not runner.stage_rows:
-            raise ValueError("the runner has no staging cache")
-        self.runner = runner
-        self.row_buckets = power_of_two_buckets(runner.stage_rows)
-        self.kv_buckets = sorted({min(k, runner.stage_len) for k in kv_buckets} | {runner.stage_len})
+    def __init__(self, staging: StagingCache, kv_buckets: Iterable[int]) -> None:
+        self.staging = staging
+        self.row_buckets = power_of_two_buckets(staging.max_rows)
+        self.kv_buckets = sorted({min(k, staging.length) for k in kv_buckets} | {staging.length})
+        runner = staging.runner
         dev = runner.device
-        self._embeds = torch.zeros(runner.stage_rows, 1, runner.hidden_size, device=dev, dtype=runner.dtype)
-        self._write_pos = torch.full((runner.stage_rows, 1), runner.stage_len, device=dev, dtype=torch.int64)
+        self._embeds = torch.zeros(staging.max_rows, 1, runner.hidden_size, device=dev, dtype=runner.dtype)
+        self._write_pos = torch.full((staging.max_rows, 1), staging.length, device=dev, dtype=torch.int64)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture = GraphCapture()
 
@@ -239,7 +239,7 @@ class GraphedStagedPrefill:
         started = time.perf_counter()
         keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
         for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
-            forward = functools.partial(self.runner.staged_prefill_forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
+            forward = functools.partial(self.staging.forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
             self._graphs[(b, k)] = self._capture.capture(forward)
         torch.cuda.synchronize()
         logger.info("captured %d staged prefill graphs in %.1f s", len(keys), time.perf_counter() - started)
@@ -250,17 +250,17 @@ class GraphedStagedPrefill:
 
     def __call__(self, rows: list[PrefillRow]) -> bool:
         """Prefill one-token `rows` by replaying a bucket's graph; False (nothing done) when they do not fit."""
-        runner = self.runner
-        if not runner.can_stage(rows):
+        staging = self.staging
+        if not staging.fits(rows):
             return False
         b = self.row_buckets[bisect.bisect_left(self.row_buckets, len(rows))]
         kv = self.kv_buckets[bisect.bisect_left(self.kv_buckets, max(r.start for r in rows) + 1)]
         graph, out = self._graphs[(b, kv)]
-        embeds, write_pos = runner.staged_prefill_inputs(rows, b)
+        embeds, write_pos = staging.inputs(rows, b)
         self._embeds[:b].copy_(embeds)
         self._write_pos[:b].copy_(write_pos)
         graph.replay()
-        runner.finish_staged_prefill(rows, out)
+        staging.finish(rows, out)
         return True
 
 

@@ -2,7 +2,7 @@
 
 The core decides what to prefill and when (its scheduler). This builds a piece's embeddings (`PromptBuilder`),
 runs a batch of pieces as the CUDA graph of its bucket (one-token pieces behind a stored head as the talker's
-Triton decode step in a staging cache, `ModelRunner.staged_prefill`; eagerly where no graph fits), and keeps
+Triton decode step in a staging cache, `StagingCache.prefill`; eagerly where no graph fits), and keeps
 each voice's just prefilled head, the part of a prompt that depends only on the voice, in the prefix store
 (`engine/prefixes.py`): a later stream of that voice copies the head's keys and values instead.
 """
@@ -60,8 +60,8 @@ class Prefills:
                 [k for k in kv_buckets if k <= 512] or list(kv_buckets[:1]),
                 max_tokens=2048,
             )
-            if getattr(runner, "stage_rows", 0):
-                self.staged_graphs = GraphedStagedPrefill(runner, (16, 32, 64))
+            if runner.staging is not None:
+                self.staged_graphs = GraphedStagedPrefill(runner.staging, (16, 32, 64))
 
     def capture(self, progress: bool) -> None:
         """Capture the prompt graphs (on the core's thread); without the staged ones if they fail to capture."""
@@ -73,7 +73,7 @@ class Prefills:
             except Exception:  # noqa: BLE001 - an optimisation: without it the prompt graphs do the same work
                 logger.exception("staged prefill graphs failed to capture; one-token prompt pieces use the prompt graphs")
                 self.staged_graphs = None
-                self.runner.stage_rows = 0
+                self.runner.staging = None
 
     def copy_head(self, spec: PromptSpec, slot: int) -> int | None:
         """Copy the voice's head into `slot` if the store has it; its length in positions, else None."""
@@ -106,11 +106,11 @@ class Prefills:
 
     def run(self, rows: list[PrefillRow]) -> None:
         """Prefill `rows` together: their graph where one fits, else eagerly."""
-        runner, staged = self.runner, self.staged_graphs
-        if getattr(runner, "stage_rows", 0) and runner.can_stage(rows):
+        runner, staging, staged = self.runner, self.runner.staging, self.staged_graphs
+        if staging is not None and staging.fits(rows):
             # one-token pieces (after a prefix from the store): the Triton decode step
             if staged is None or not staged.captured or not staged(rows):
-                runner.staged_prefill(rows)
+                staging.prefill(rows)
         else:
             graphs = self.graphs
             if graphs is None or not graphs.captured or not graphs(rows):

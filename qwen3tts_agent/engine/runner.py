@@ -8,7 +8,7 @@ bucket while the CPU path simply calls it. Where Triton runs (a GPU), a decoder 
 predictor) whose shapes the kernels take runs its layers as `kernels.decode_layer`, its heads as
 `kernels.gemv` and each sampling with the frame's per-row state as one `kernels.frame` launch, so a graphed
 frame is Triton kernels only; other stacks, and every stack elsewhere, move the same state through PyTorch
-ops. The choice is made once, at load (`kernel_paths`), never per step.
+ops. The choice is made once, at load (`kernel_paths.choose_kernel_paths`), never per step.
 
 Every request owns one slot: its rows of the KV cache and of the per-slot state tensors below. Rows that are
 not active in a step still flow through the maths but write their KV to a scratch column and keep their state.
@@ -16,27 +16,21 @@ not active in a step still flow through the maths but write their KV to a scratc
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels import common as kernel_common
-from ..kernels import decode_layer, gemv, snake
+from ..kernels import decode_layer, gemv
 from ..kernels import frame as frame_kernels
-from ..kernels import sampling as sampling_kernels
 from ..models.compat import OfficialModule
 from .host import upload
+from .kernel_paths import TRITON_PATH, choose_kernel_paths
 from .layers import FusedDecoderLayer, rope_tables
 from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
+from .staging import StagingCache
 
-logger = logging.getLogger(__name__)
-
-TRITON_PATH = "triton"  # a `kernel_paths` value: the stack runs as the Triton kernels
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
-# Rows of the staging cache, in which one-token prompt pieces run as the Triton decode step (`staged_prefill`)
-STAGE_ROWS = 4
 # the rows of the per-slot tables (`ModelRunner.reset_slot`)
 _INT_FIELDS = ("pos", "n_sampled", "step_idx", "text_len", "top_k", "sub_top_k", "seed")
 _FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "sub_temperature", "sub_top_p")
@@ -79,7 +73,7 @@ class ModelRunner:
 
         `prefix_entries`: how many voice prefixes (a prompt's voice-only head, up to `prefix_len` positions)
         the prefix store holds (`store_prefix`, `copy_prefix`); 0 for none. `staged_prefill`: with a store
-        and a Triton talker, one-token prompt pieces run as the decode step in a staging cache."""
+        and a Triton talker, one-token prompt pieces run as the decode step in a staging cache (`staging`)."""
         talker = model.talker
         cfg = model.config.talker_config
         pcfg = cfg.code_predictor_config
@@ -117,7 +111,10 @@ class ModelRunner:
         p_pos = torch.arange(PREDICTOR_POSITIONS, device=self.device)
         self.p_cos, self.p_sin = rope_tables(p_inv_freq, p_pos, self.dtype)
         # per stack ("talker", "predictor", "codec"): "triton", or "pytorch (why not)"
-        self.kernel_paths = self._kernel_paths(model, fused_kernels)
+        self.kernel_paths = choose_kernel_paths(
+            self.layers, self.p_layers, model.speech_tokenizer.model.decoder.decoder,
+            device=self.device, dtype=self.dtype, max_slots=max_slots, requested=fused_kernels,
+        )
         self.fused_talker = self.kernel_paths["talker"] == TRITON_PATH
         self.fused_predictor = self.kernel_paths["predictor"] == TRITON_PATH
 
@@ -133,12 +130,8 @@ class ModelRunner:
         self.prefix_entries = prefix_entries
         self.prefix_len = min(prefix_len, max_seq_len - 1) if prefix_entries else 0
         self.prefix_kv = torch.zeros(2, n_layers, prefix_entries, kv_heads, self.prefix_len, head_dim, device=dev, dtype=dt)
-        # its last column is where padding rows write
-        self.stage_rows = STAGE_ROWS if staged_prefill and prefix_entries and self.fused_talker else 0
-        self.stage_len = self.prefix_len + 1 if self.stage_rows else 0
-        self.stage_kv = torch.zeros(2, n_layers, self.stage_rows, kv_heads, self.stage_len + 1, head_dim, device=dev, dtype=dt)
-        # prompts run on a lane of their own beside the frame steps: their kernels count arrivals apart
-        self._stage_counters = kernel_common.new_counters(dev) if self.stage_rows else None
+        # None where staging is off (`Prefills` also turns it off when its graphs fail to capture)
+        self.staging = StagingCache(self) if staged_prefill and prefix_entries and self.fused_talker else None
         p_heads, p_dim = pcfg.num_key_value_heads, self.p_layers[0].head_dim
         self.pk_cache = [torch.zeros(max_slots, p_heads, PREDICTOR_POSITIONS, p_dim, device=dev, dtype=dt) for _ in self.p_layers]
         self.pv_cache = [torch.zeros_like(k) for k in self.pk_cache]
@@ -197,49 +190,6 @@ class ModelRunner:
             "embed_sum": self.embed_sum, "talker_input": self.talker_input, "write_pos": self.write_pos,
             "suppress": self.suppress, "codec_embedding": self.codec_embedding.weight,
         }
-
-    def _kernel_paths(self, model: OfficialModule, requested: bool) -> dict[str, str]:
-        """Which stacks run as the Triton kernels: "triton", or "pytorch (why not)" per stack.
-
-        A stack runs fused only if every kernel family it uses takes its shapes (`supports`), so no shape
-        ever fails a step: the rest stays on the PyTorch layers, which the CUDA graphs capture just the
-        same. Shapes the kernels refuse are worth a warning (that stack is slower); no GPU or
-        `fused_kernels=False` is not. The codec's SnakeBeta kernel does not follow `fused_kernels`.
-        """
-        dt = self.dtype
-
-        def stack(layers: list[FusedDecoderLayer]) -> list[kernel_common.Support]:
-            first = layers[0]
-            heads, kv_heads = first.q_size // first.head_dim, first.kv_size // first.head_dim
-            return [
-                decode_layer.supports(first.head_dim, heads, kv_heads, dt, self.max_slots),
-                gemv.supports(dt), sampling_kernels.supports(dt), frame_kernels.supports(dt),
-            ]
-
-        checks = {
-            "talker": stack(self.layers),
-            "predictor": stack(self.p_layers),
-            "codec": [snake.supports(m) for m in snake.snake_modules(model.speech_tokenizer.model.decoder.decoder)],
-        }
-        available = kernel_common.available(self.device)
-        paths, refused = {}, []
-        for name, supports in checks.items():
-            failed = next((s for s in supports if not s), None)
-            if not available:
-                paths[name] = f"pytorch (no Triton kernels on {self.device.type})"
-            elif not requested and name != "codec":
-                paths[name] = "pytorch (fused kernels off)"
-            elif failed is not None:
-                paths[name] = f"pytorch ({failed.reason})"
-                refused.append(f"{name}: {failed.reason}")
-            else:
-                paths[name] = TRITON_PATH
-        if refused:
-            logger.warning(
-                "The Triton kernels do not take this checkpoint's shapes (%s); those stacks run on the PyTorch "
-                "layers, still graphed but slower.", "; ".join(refused),
-            )
-        return paths
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:
@@ -500,54 +450,6 @@ class ModelRunner:
         act = upload([r.sample for r in rows], torch.bool, self.device)
         hidden = last_hidden[:n]
         self._record_code0(self.codec_head(hidden), slots, act, hidden, frame=False)
-
-    def can_stage(self, rows: Sequence[PrefillRow]) -> bool:
-        """Whether `staged_prefill` takes these prompt pieces: one token each, within the staging cache."""
-        return (
-            0 < len(rows) <= self.stage_rows
-            and all(r.embeds.shape[0] == 1 and r.start < self.stage_len for r in rows)
-        )
-
-    @torch.inference_mode()
-    def staged_prefill(self, rows: Sequence[PrefillRow]) -> None:
-        """`prefill` for one-token pieces (the text-dependent part of a prompt whose head came from the
-        prefix store) as the Triton decode step: eagerly; `cuda_graphs.GraphedStagedPrefill` replays it."""
-        embeds, write_pos = self.staged_prefill_inputs(rows, len(rows))
-        kv_len = max(r.start for r in rows) + 1
-        self.finish_staged_prefill(rows, self.staged_prefill_forward(embeds, write_pos, kv_len=kv_len))
-
-    def staged_prefill_inputs(self, rows: Sequence[PrefillRow], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy each row's cache positions [0, start) into staging row i and pad the pieces to `batch` rows:
-        (embeds [batch, 1, hidden], write positions [batch, 1]). Padding rows write to the staging cache's
-        last column."""
-        if not self.can_stage(rows) or batch > self.stage_rows:
-            raise ValueError("these prompt pieces do not fit the staging cache")
-        write_pos = [r.start for r in rows] + [self.stage_len] * (batch - len(rows))
-        for i, r in enumerate(rows):
-            if r.start:
-                self.stage_kv[:, :, i, :, : r.start].copy_(self.kv_cache[:, :, r.slot, :, : r.start])
-        embeds = torch.zeros(batch, 1, self.hidden_size, device=self.device, dtype=self.dtype)
-        embeds[: len(rows), 0] = torch.cat([r.embeds for r in rows])
-        return embeds, upload(write_pos, torch.int64, self.device).view(batch, 1)
-
-    def staged_prefill_forward(self, embeds: torch.Tensor, write_pos: torch.Tensor, *, kv_len: int) -> torch.Tensor:
-        """The talker's layers as the Triton decode step over staging rows [0, b), each token attending its
-        row's keys up to its own position; returns the last hidden states [b, hidden] after the final norm.
-        Fixed shapes for a given (b, kv_len) and no host synchronisation, so it can be captured."""
-        assert self._stage_counters is not None, "no staging cache"
-        b = embeds.shape[0]
-        x = embeds
-        with kernel_common.own_counters(self._stage_counters):  # not the frame step's: they may run together
-            for layer, ck, cv in zip(self.layers, self.stage_kv[0], self.stage_kv[1], strict=True):
-                x = decode_layer.decode_layer(layer, x, self.cos, self.sin, ck[:b], cv[:b], write_pos, kv_len, masked=True)
-        return self.norm(x[:, 0])
-
-    def finish_staged_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
-        """Copy the position each staging row wrote back to its slot (the slot holds the ones before), then
-        `finish_prefill`."""
-        for i, r in enumerate(rows):
-            self.kv_cache[:, :, r.slot, :, r.start].copy_(self.stage_kv[:, :, i, :, r.start])
-        self.finish_prefill(rows, last_hidden)
 
     @torch.inference_mode()
     def frame_step(self, b: int, kv_len: int, talker_sampling: bool = True, predictor_sampling: bool = True) -> None:

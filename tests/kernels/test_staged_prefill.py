@@ -1,5 +1,5 @@
 """One-token prompt pieces after a cached voice prefix run as the Triton decode step in the staging cache
-(`ModelRunner.staged_prefill`; graphed on a GPU: `GraphedStagedPrefill`) and give the codes of a whole-prompt
+(`StagingCache.prefill`; graphed on a GPU: `GraphedStagedPrefill`) and give the codes of a whole-prompt
 prefill on the PyTorch layers, also while another stream's frames run beside them on the GPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.engine.runner import TRITON_PATH
+from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
 from qwen3tts_agent.kernels import common, gemv
 from qwen3tts_agent.models.loading import load_official_model
 from tests.engine_helpers import official_model
@@ -35,11 +35,12 @@ def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.
     for cached in (True, False):
         engine = Engine(official, keep_codes=True, prefix_cache=cached, staged_prefill=cached, backend="torch", **SMALL)  # type: ignore[arg-type]
         runner = engine.core.runner
-        recorded = len(staged_rows)  # the cached run's, when the uncached one warms up (it stages nothing)
-        finish = runner.finish_staged_prefill  # the eager path and the graphs both end here
-        monkeypatch.setattr(
-            runner, "finish_staged_prefill", lambda rows, hidden, finish=finish: (staged_rows.append(len(rows)), finish(rows, hidden))
-        )
+        recorded = len(staged_rows)  # the cached run's, when the uncached one warms up (it has no staging cache)
+        if runner.staging is not None:
+            finish = runner.staging.finish  # the eager path and the graphs both end here
+            monkeypatch.setattr(
+                runner.staging, "finish", lambda rows, hidden, finish=finish: (staged_rows.append(len(rows)), finish(rows, hidden))
+            )
         try:
             assert runner.kernel_paths["talker"] == TRITON_PATH
             if device == "cuda":
@@ -61,7 +62,7 @@ def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.
             list(beside_chunks)
         finally:
             engine.close()
-        assert (runner.stage_rows > 0) == cached
+        assert (runner.staging is not None) == cached
     assert staged_rows == [1] * len(TEXTS), "the streams after the first copied the prefix and staged their token"
     assert all(len(codes) == FRAMES for codes in runs[True])
     assert runs[True] == runs[False]
