@@ -37,8 +37,8 @@ class StagingCache:
         # the positions a row's token may sit at; column `length` is where padding rows write
         self.length = runner.prefix_len + 1
         # the slot cache's layout [2, layers, rows, kv_heads, positions, head_dim], with rows of its own
-        n_layers, _, _, kv_heads, _, head_dim = runner.kv_cache.shape
-        shape = (2, n_layers, max_rows, kv_heads, self.length + 1, head_dim)
+        pair, n_layers, _, kv_heads, _, head_dim = runner.kv_cache.shape
+        shape = (pair, n_layers, max_rows, kv_heads, self.length + 1, head_dim)
         self.kv = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
         # prompts run on a lane of their own beside the frame steps: their kernels count arrivals apart
         self._counters = kernel_common.new_counters(runner.device)
