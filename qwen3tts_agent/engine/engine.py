@@ -347,7 +347,7 @@ class Engine(EngineFrontend):
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
             core_rss_bytes=resident_bytes(),
-            kernel_paths=dict(getattr(core.runner, "kernel_paths", {})),
+            kernel_paths=dict(core.runner.kernel_paths),
             loop_seconds=dict(core.loop_seconds),
         )
 

@@ -48,7 +48,7 @@ class Prefills:
     ) -> None:
         self.runner = runner
         self.prompts = prompts
-        entries = getattr(runner, "prefix_entries", 0)
+        entries = runner.prefix_entries
         self.prefixes = PrefixCache(entries, runner.prefix_len) if entries else None
         self.graphs: GraphedPrefill | None = None
         self.staged_graphs: GraphedStagedPrefill | None = None

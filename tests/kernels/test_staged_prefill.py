@@ -35,7 +35,13 @@ def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.
     runs: dict[bool, list[list[list[int]]]] = {}
     staged_rows: list[int] = []
     for cached in (True, False):
-        engine = Engine(official, keep_codes=True, prefix_cache=cached, staged_prefill=cached, backend="torch", **SMALL)  # type: ignore[arg-type]
+        # under the interpreter the reference run takes the PyTorch layers (exact against the kernels in fp32:
+        # test_engine_kernels.py), sparing the interpreter that run's frames; compiled, the kernels
+        fused = cached or device == "cuda"
+        engine = Engine(
+            official, keep_codes=True, prefix_cache=cached, staged_prefill=cached, fused_kernels=fused,  # type: ignore[arg-type]
+            backend="torch", **SMALL,
+        )
         runner = engine.core.runner
         recorded = len(staged_rows)  # the cached run's, when the uncached one warms up (it has no staging cache)
         if runner.staging is not None:
@@ -44,7 +50,7 @@ def test_staged_prefill_matches_a_full_prefill(device: str, monkeypatch: pytest.
                 runner.staging, "finish", lambda rows, hidden, finish=finish: (staged_rows.append(len(rows)), finish(rows, hidden))
             )
         try:
-            assert runner.kernel_paths["talker"] == TRITON_PATH
+            assert (runner.kernel_paths["talker"] == TRITON_PATH) == fused
             if device == "cuda":
                 engine.warmup(progress=False)  # captures the graphs, the staged prefill's among them
                 del staged_rows[recorded:]  # the capture's own calls
