@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,3 +58,17 @@ def recorded_decode_codes(official: object) -> Iterator[list[torch.Tensor]]:
         yield seen
     finally:
         tokenizer.decode = original
+
+
+def on_batched_launch(engine: Engine, record: Callable[[Any, float], None]) -> None:
+    """Call `record(rows, now)` for every batched step the engine's core queues (a pass-through spy on the step
+    launcher's `_queue_step`; steps of the first-frame slots alone are not recorded)."""
+    launcher = engine.core.launcher
+    queue_step = launcher._queue_step
+
+    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
+        if batched:
+            record(rows, now)
+        queue_step(rows, now, batched=batched)
+
+    launcher._queue_step = spy  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from qwen3tts_agent import SamplingParams, Voice
-from tests.engine_helpers import engine_for, xvector_voice
+from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"
 
@@ -34,22 +34,17 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
         move_slot(src, dst, positions, text_tokens)
 
     runner.move_slot = spy  # type: ignore[method-assign]
-    core = engine.core
+    scheduler = engine.core.scheduler
     batched_steps: list[int] = []  # rows of every batched step queued
     timed_steps: list[float] = []  # every step time the scheduler was given
-    queue_step, record_step_time = core.launcher._queue_step, core.scheduler.record_step_time
-
-    def queue_spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
-        if batched:
-            batched_steps.append(len(rows))
-        queue_step(rows, now, batched=batched)
+    on_batched_launch(engine, lambda rows, now: batched_steps.append(len(rows)))
+    record_step_time = scheduler.record_step_time
 
     def record_spy(seconds: float) -> None:
         timed_steps.append(seconds)
         record_step_time(seconds)
 
-    core.launcher._queue_step = queue_spy  # type: ignore[method-assign]
-    core.scheduler.record_step_time = record_spy  # type: ignore[method-assign]
+    scheduler.record_step_time = record_spy  # type: ignore[method-assign]
     try:
         voice = xvector_voice(engine)
         alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,32 +16,19 @@ import pytest
 
 from qwen3tts_agent import SamplingParams
 from qwen3tts_agent.engine.engine import STEP_CLOCK_LOAD
-from tests.engine_helpers import engine_for, xvector_voice
+from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"
 PERIOD_S = 0.15  # well above a step of the tiny model on two cores (~45 ms with 9 rows)
 FRAMES = 12
 
 
-def _on_batched_launch(core: Any, record: Callable[[Any, float], None]) -> None:
-    """Call `record(rows, now)` for every batched step the core queues (a pass-through spy on `_queue_step`)."""
-    queue_step = core.launcher._queue_step
-
-    def spy(rows, now, *, batched=True):  # type: ignore[no-untyped-def]
-        if batched:
-            record(rows, now)
-        queue_step(rows, now, batched=batched)
-
-    core.launcher._queue_step = spy
-
-
 def test_paced_steps_are_a_period_apart_and_change_no_code() -> None:
     engine = engine_for(
         "synthetic:tiny", max_streams=STEP_CLOCK_LOAD + 2, step_period_s=PERIOD_S, chunk_schedule=(FRAMES,)
     )
-    core = engine.core
     launches: list[tuple[float, int, bool]] = []  # (when, rows, whether every row had had its first frame)
-    _on_batched_launch(core, lambda rows, now: launches.append((now, len(rows), all(r.frames_launched for r in rows))))
+    on_batched_launch(engine, lambda rows, now: launches.append((now, len(rows), all(r.frames_launched for r in rows))))
     sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
     try:
         voice = xvector_voice(engine)
@@ -98,7 +84,7 @@ def test_a_paced_step_waits_while_a_first_chunk_decodes() -> None:
             if len(paced) == 3:
                 hold_until[0] = now + hold_s
 
-    _on_batched_launch(core, record)
+    on_batched_launch(engine, record)
     core.audio.first_audio_in_flight = lambda: time.perf_counter() < hold_until[0]  # type: ignore[method-assign]
     sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
     try:
