@@ -145,7 +145,7 @@ for stage in "$@"; do
     startup)
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       checkpoint synthetic:0.6b > /dev/null
-      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 \
+      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 --cases ${STARTUP_CASES:-cold,warm,prepared} \
         --out "$out/startup.json" 2>&1 | tee "$out/startup.log" ;;
     ray-2gpu)
       [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }

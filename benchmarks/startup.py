@@ -2,17 +2,20 @@
 
 What a restart costs is what an operator feels when a container is replaced or a core process comes back. Each
 start runs `serve` as a user would (its own process, the engine core in another), polls `/ready` and stops
-it. The three cases differ only in Triton's disk cache (`TRITON_CACHE_DIR`, a fresh folder per case):
+it. The three cases differ only in the disk caches of what a start compiles: Triton's kernels
+(`TRITON_CACHE_DIR`) and, where the installed packages carry no Python bytecode, the bytecode cache
+(`QWEN3TTS_AGENT_BYTECODE_CACHE`, `qwen3tts_agent/caches.py`), fresh folders per case:
 
-- cold: the cache starts empty (a fresh container);
-- warm: a second start on the same cache (a restart on the same machine);
-- prepared: `qwen3tts-agent prepare` ran first on an empty cache (an image built with the kernels baked in),
+- cold: the caches start empty (a fresh container);
+- warm: a second start on the same caches (a restart on the same machine);
+- prepared: `qwen3tts-agent prepare` ran first on empty caches (an image built with the kernels baked in),
   then `serve` starts.
 
 The report gives the seconds to ready of each start and the core's own split (weights, warm-up) from its
 log; each start's whole log is kept beside the report (`startup.json` -> `startup/cold.log`, ...). CUDA graphs are captured at every start: they belong to a process.
 
     python -m benchmarks.startup --model synthetic:0.6b --max-streams 256 --out startup.json
+    python -m benchmarks.startup --cases cold,warm ...      # without the prepared case
 """
 
 from __future__ import annotations
@@ -106,13 +109,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def env_with_cache(name: str) -> dict[str, str]:
             cache = root / name
             cache.mkdir()
-            return {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+            return {**os.environ, "TRITON_CACHE_DIR": str(cache / "triton"),
+                    "QWEN3TTS_AGENT_BYTECODE_CACHE": str(cache / "bytecode")}
 
         cold = env_with_cache("cold")
         for case, env in (("cold", cold), ("warm", cold)):
+            if case not in args.cases:
+                continue
             report["starts"][case] = start_to_ready(args, env, logs / f"{case}.log")
             print(f"{case}: ready in {report['starts'][case]['ready_s']:.1f} s (core: {report['starts'][case]['core']})",
                   flush=True)
+        if "prepared" not in args.cases:
+            return report
         prepared = env_with_cache("prepared")
         started = time.perf_counter()
         subprocess.run(_cli("prepare", *_model_args(args)), env=prepared, check=True, stdout=subprocess.DEVNULL)
@@ -129,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-streams", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=["cold", "warm", "prepared"],
+                        help="which starts to run, of cold,warm,prepared (warm follows cold, on its caches)")
     parser.add_argument("--out", type=Path, default=Path("startup.json"))
     args = parser.parse_args(argv)
     report = run(args)

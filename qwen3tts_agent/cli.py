@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 
+from .caches import use_bytecode_cache
 from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
 from .engine.voices import AudioInput
 from .errors import Qwen3TTSAgentError
@@ -168,6 +169,7 @@ def _missing_extra(extra: str, exc: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_bytecode_cache()  # before the heavy imports: see caches.py
     parser = argparse.ArgumentParser(prog="qwen3tts-agent", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Triton specialises an integer kernel argument on whether it divides by this (GraphedFrameStep.capture)
+TRITON_DIVISIBILITY = 16
 # what `scaled_dot_product_attention` may pick inside a captured graph (the module docstring says why)
 CAPTURE_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -66,6 +68,8 @@ class GraphCapture:
 
     `capture(fn)` runs `fn` once eagerly on a side stream (the allocator and the libraries settle their
     choices for the shape outside the capture), then captures it; `fn`'s result is the graph's static output.
+    `eager=False` leaves the eager run out, for a caller that knows an earlier one settled everything `fn`
+    launches (`GraphedFrameStep`).
     """
 
     def __init__(self) -> None:
@@ -73,14 +77,15 @@ class GraphCapture:
         self._stream = torch.cuda.Stream()
         self._side: torch.cuda.Stream | None = None
 
-    def capture(self, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    def capture(self, fn: Callable[[], T], eager: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
         if self._side is None:
             self._side = torch.cuda.Stream()
-        self._side.wait_stream(torch.cuda.current_stream())
         with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS):
-            with torch.cuda.stream(self._side):
-                fn()
-            torch.cuda.current_stream().wait_stream(self._side)
+            if eager:
+                self._side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(self._side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
                 out = fn()
@@ -110,14 +115,30 @@ class GraphedFrameStep:
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> float:
-        """Capture every bucket with all rows inactive (so the capture changes no slot). Returns seconds."""
+        """Capture every bucket with all rows inactive (so the capture changes no slot). Returns seconds.
+
+        With both stacks on the Triton kernels, a frame step is Triton kernels only, and the host's time
+        to launch them is most of a capture's: the eager run before each capture doubled it. That run is
+        then kept only where a kernel variant may not have been launched yet: a kernel's first launch
+        loads its module and allocates its counters, which a capture forbids (the capture would fail, not
+        replay wrongly). Triton compiles a variant per constexpr value and per integer argument's
+        divisibility by 16; the kv length is an argument, so a batch bucket's variants are launched by its
+        first kv bucket, and again where the divisibility differs. With a stack on the PyTorch layers every
+        capture has its eager run.
+        """
         started = time.perf_counter()
         runner = self.runner
         saved_active = runner.active.clone()
         runner.active.zero_()
         keys = [(b, k) for b in self.batch_buckets for k in self.kv_buckets]
+        triton_only = runner.fused_talker and runner.fused_predictor
+        launched: set[tuple[int, bool]] = set()
         for b, kv in track(keys, desc="capturing CUDA graphs", enabled=progress):
-            self._graphs[(b, kv)], _ = self._capture.capture(functools.partial(runner.frame_step, b, kv))
+            variant = (b, kv % TRITON_DIVISIBILITY == 0)
+            self._graphs[(b, kv)], _ = self._capture.capture(
+                functools.partial(runner.frame_step, b, kv), eager=not triton_only or variant not in launched
+            )
+            launched.add(variant)
         torch.cuda.synchronize()
         runner.active.copy_(saved_active)
         seconds = time.perf_counter() - started

@@ -43,6 +43,9 @@ class CoreLaunch:
 
 def run_core(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process's entry point (`core_server.core_main`, imported only in that process)."""
+    from ..caches import use_bytecode_cache
+
+    use_bytecode_cache()  # before torch's import: see caches.py
     from .core_server import core_main
 
     core_main(launch, ready)

@@ -33,7 +33,6 @@ import importlib.metadata
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..caches import cache_root
 from ..errors import ModelLoadError
 from ..progress import Progress
 from .compat import OfficialModule, import_qwen_tts
@@ -123,9 +123,7 @@ def is_synthetic_spec(model: str) -> bool:
 
 def default_synthetic_cache_dir() -> Path:
     """``$QWEN3TTS_AGENT_CACHE/synthetic``, or ``~/.cache/qwen3tts-agent/synthetic``."""
-    root = os.environ.get("QWEN3TTS_AGENT_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "qwen3tts-agent"
-    return base / "synthetic"
+    return cache_root() / "synthetic"
 
 
 def ensure_synthetic_checkpoint(spec: str, cache_dir: Path | None = None, progress: bool = True) -> Path:

@@ -63,6 +63,9 @@ def connect_to_core(address: str, failure_file: Path) -> Any:
 
 def worker_app() -> Any:
     """The app of one API worker (a uvicorn factory): the server over an `EngineClient` of the core."""
+    from ..caches import use_bytecode_cache
+
+    use_bytecode_cache()
     from .app import create_app
 
     # the event loop and the engine client's I/O thread share the interpreter lock: hand it over quickly

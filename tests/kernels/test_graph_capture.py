@@ -1,8 +1,11 @@
 """`GraphCapture` on a GPU: a graph is captured with cuDNN's attention left out of
 `scaled_dot_product_attention`'s choice (`engine/cuda_graphs.py` says why), its replay gives the same
-attention as an eager call, and the choice is the caller's again once the capture is done."""
+attention as an eager call, and the choice is the caller's again once the capture is done. The frame graphs,
+captured after one eager frame step per batch bucket, replay what eager frame steps compute."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -29,3 +32,45 @@ def test_a_graph_is_captured_without_cudnn_attention_and_the_choice_is_restored(
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_frame_graphs_captured_after_one_eager_run_per_batch_bucket_replay_the_eager_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`GraphedFrameStep.capture` runs a frame step eagerly only before each batch bucket's first kv bucket;
+    the graphs captured without one still replay what eager steps compute (the same greedy codes)."""
+    from qwen3tts_agent import Engine, SamplingParams, Voice
+    from qwen3tts_agent.engine.cuda_graphs import GraphCapture
+    from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
+    from qwen3tts_agent.models.loading import load_official_model
+
+    official = load_official_model("synthetic:tiny-customvoice", device="cuda", progress=False)
+    eager_runs: list[bool] = []
+    capture = GraphCapture.capture
+
+    def recorded(self: GraphCapture, fn: Any, eager: bool = True) -> Any:
+        eager_runs.append(eager)
+        return capture(self, fn, eager)
+
+    monkeypatch.setattr(GraphCapture, "capture", recorded)
+    texts = ["Hello there, this is the first stream.", "And a second one beside it."]
+    codes: dict[bool, list[list[list[int]]]] = {}
+    for graphed in (True, False):
+        engine = Engine(official, keep_codes=True, max_streams=4, max_seq_len=512, use_cuda_graphs=graphed,
+                        backend="torch")
+        try:
+            assert engine.core.runner.kernel_paths["talker"] == engine.core.runner.kernel_paths["predictor"] == TRITON_PATH
+            if graphed:
+                engine.warmup(progress=False)
+                # the frame graphs come first: batch buckets 1, 2, 4 x kv buckets 128, 256, 512
+                assert eager_runs[:9] == [True, False, False] * 3
+            streams = [engine.open_stream(text, voice=Voice(speaker=engine.speakers[0]),
+                                          sampling=SamplingParams.greedy(max_frames=40, ignore_eos=True)) for text in texts]
+            for stream in streams:
+                list(stream.chunks(timeout=120))
+            codes[graphed] = [stream.result.codes for stream in streams]
+        finally:
+            engine.close()
+    assert all(len(c) == 40 for c in codes[True])
+    assert codes[True] == codes[False]

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ... import caches
 from ...models.compat import OfficialModule
 from ...progress import Progress
 from .graphs import QUANTIZED_BITS, WEIGHT_FORMATS, decoder_stack_graph, linear_graph, stack_shape
@@ -44,8 +45,7 @@ def conversion_folder(model: OfficialModule, weight_format: str, cache_root: Pat
     beside = checkpoint / CACHE_DIR_NAME
     if (beside / name / _COMPLETE).is_file() or _writable(checkpoint):
         return beside / name
-    root = os.environ.get("QWEN3TTS_AGENT_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "qwen3tts-agent") / "cpu" / name
+    return caches.cache_root() / "cpu" / name
 
 
 def prepare(model: OfficialModule, weight_format: str, *, cache_root: Path | None = None, progress: bool = True) -> Path:
