@@ -315,7 +315,7 @@ def ggml_peer() -> dict[str, str]:
 async def engine_runs(official: object, backend: str, args: argparse.Namespace, reference) -> dict[str, object]:
     report: dict[str, object] = {"backend": backend}
     started = time.perf_counter()
-    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, backend=backend)
+    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, backend=backend, overlap_codec=args.overlap_codec)
     report["engine_ready_s"] = time.perf_counter() - started
     engine.warmup(progress=False)
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
@@ -340,7 +340,8 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
     engine.close()
     report["peak_rss_gib_after_single"] = peak_rss_gib()
     if args.concurrent:
-        engine = Engine(official, max_streams=args.concurrent, max_seq_len=args.max_seq_len, backend=backend)
+        engine = Engine(official, max_streams=args.concurrent, max_seq_len=args.max_seq_len, backend=backend,
+                        overlap_codec=args.overlap_codec)
         engine.warmup(progress=False)
         voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
         report["frame_step"][str(args.concurrent)] = frame_step_ms(engine, args.concurrent, min(256, args.max_seq_len),
@@ -387,7 +388,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "frames_per_stream": args.frames, "text_chars": len(BENCH_TEXT),
-        "reference_s": 3.0, "load_average_start": load_average(),
+        "reference_s": 3.0, "load_average_start": load_average(), "overlap_codec": args.overlap_codec,
     }
     try:
         import onnxruntime
@@ -453,6 +454,8 @@ def main() -> None:
     parser.add_argument("--agreement", action="store_true",
                         help="int8 (and int4, if among --backends) against fp32: codes and audio")
     parser.add_argument("--overlap", action="store_true", help="frame steps and codec on two threads at once")
+    parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
+                        help="the engine's codec on its loop's thread, after each step (default: a thread of its own)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_cpu.json"))
     args = parser.parse_args()

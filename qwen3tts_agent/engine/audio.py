@@ -19,6 +19,11 @@ Two things keep a new stream clear of the codec lane's queue:
 
 A decode's PCM is copied to pinned host memory and read once its event has fired, so the core polls
 rather than waits.
+
+On a CPU the codec runs on a thread of its own (`CodecThread`), with a share of the cores
+(`cpu_thread_split`), so that a chunk decodes while the next frame steps run, as the codec lane lets it on a
+GPU: the frame step is bound by memory bandwidth, the codec by arithmetic. Every codec call of the pipeline,
+slot set-ups included, goes through that thread in order; the core polls their futures as it polls events.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,11 +59,58 @@ CODEC_LANE_DEPTH = 2
 LAUNCH_SLACK_S = 0.15
 
 
+# A codec call's completion: a CUDA event (GPU lanes), a future (the CPU's codec thread), or None (done).
+Pending = torch.cuda.Event | Future[Any] | None
+
+
+def _done(pending: Pending) -> bool:
+    if pending is None:
+        return True
+    return pending.done() if isinstance(pending, Future) else pending.query()
+
+
+def _wait(pending: Pending) -> None:
+    if isinstance(pending, Future):
+        pending.result()
+    elif pending is not None:
+        pending.synchronize()
+
+
+def cpu_thread_split(threads: int) -> tuple[int, int]:
+    """(frame-step threads, codec threads) for `threads` CPU cores; (threads, 0) where one core cannot run both.
+
+    A quarter of the cores for the codec, at least one: on 2 cores a frame step on one core and the codec on
+    the other made 107 ms a frame where the two in turn on both cores made 145 (0.6B, docs/cpu-backend.md)."""
+    if threads < 2:
+        return threads, 0
+    codec = max(1, threads // 4)
+    return threads - codec, codec
+
+
+class CodecThread:
+    """The CPU codec's own thread: calls run in submission order, each PyTorch op on `threads` cores."""
+
+    def __init__(self, threads: int) -> None:
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="qwen3tts-codec", initializer=torch.set_num_threads, initargs=(threads,)
+        )
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        return self._executor.submit(torch.inference_mode()(fn))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
 @dataclass
 class _Decoding:
     plans: list[ChunkPlan]
-    pcm: torch.Tensor  # [len(plans), samples] on the host
-    event: torch.cuda.Event | None
+    pcm: torch.Tensor | Future[torch.Tensor]  # [len(plans), samples] on the host (the codec thread's, to come)
+    pending: Pending
+
+    def host_pcm(self) -> np.ndarray:
+        pcm = self.pcm.result() if isinstance(self.pcm, Future) else self.pcm
+        return pcm.numpy()
 
 
 class AudioPipeline:
@@ -75,27 +129,34 @@ class AudioPipeline:
         hold_s: float = 0.0,
         priorities: LanePriorities | None = None,
         on_decode: Callable[[int], None] | None = None,
+        codec_threads: int = 0,
     ) -> None:
         """`hold_s`: how long a later chunk may wait on the host for other streams' chunks to batch with
         (`CodecQueue`; 0: decode as soon as the lane has room). `priorities`: the CUDA stream priorities of
-        the lanes (the device's default when None). `on_decode(chunks)` is called for every codec call."""
+        the lanes (the device's default when None). `on_decode(chunks)` is called for every codec call.
+        `codec_threads` (CPU, with `overlap`): the cores of the codec's own thread (0: no thread, the codec
+        runs on the caller's thread with its cores)."""
         self.device = device
         self._on_decode = on_decode
         self._codec_stream: torch.cuda.Stream | None = None
         self._early_stream: torch.cuda.Stream | None = None
+        self._thread: CodecThread | None = None
         if device.type == "cuda" and overlap:
             lanes = priorities or LanePriorities.of_device()
             self._codec_stream = torch.cuda.Stream(device, priority=lanes.background)
             if graphed:
                 self._early_stream = torch.cuda.Stream(device, priority=lanes.urgent)
+        elif device.type == "cpu" and overlap and codec_threads:
+            self._thread = CodecThread(codec_threads)
         early_rows = min(EARLY_LANE_ROWS, max_streams) if self._early_stream is not None else 0
         # live codec slots [0, 2M); with graphs, scratch rows above them pad a call up to its graph's batch
         live = 2 * max_streams
         self.codec = create_codec(decoder, backend, max_streams=live + (max_streams + early_rows if graphed else 0))
         self._free_slots = list(range(live))  # codec slots no request owns (their last decode may be pending)
-        self._last_use: dict[int, torch.cuda.Event | None] = {}  # codec slot -> its last decode's event
+        self._last_use: dict[int, Pending] = {}  # codec slot -> its last decode's completion
         self._slot_of: dict[str, int] = {}  # request id -> its codec slot
-        self._ready: dict[str, torch.cuda.Event | None] = {}  # request id -> its slot's set-up
+        self._ready: dict[str, Pending] = {}  # request id -> its slot's set-up
+        # primed states per cloned voice (touched only where the codec runs: the codec thread, if any)
         self._states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._early_lane_done: torch.cuda.Event | None = None  # the early lane's last decode
         # codec-lane chunks not yet launched; with graphs, a call takes at most the largest graphed batch
@@ -132,6 +193,11 @@ class AudioPipeline:
     def busy(self) -> bool:
         return bool(self._decoding or self._early_decoding or self.queue)
 
+    def close(self) -> None:
+        """Stop the codec thread (after its queued calls); the pipeline decodes nothing more."""
+        if self._thread is not None:
+            self._thread.close()
+
     @contextlib.contextmanager
     def _lane(self, early: bool = False) -> Iterator[None]:
         """Codec work runs on the codec lane (when there is one), in order, or on the early lane."""
@@ -153,38 +219,41 @@ class AudioPipeline:
         """Give a request a codec slot and set it up: reset, or a cloned voice's primed reference codes."""
         slot = self._take_slot()
         self._slot_of[request_id] = slot
-        with self._lane(early=self._early_stream is not None):
-            clone = spec.clone
-            if not spec.icl or clone is None:
-                self.codec.reset(slot)
-            elif (state := self._states.get(clone.voice_id)) is not None:
-                self._states.move_to_end(clone.voice_id)
-                self.codec.restore(slot, state)
-            else:  # a voice's first use: its reference codes run through the codec once (eagerly, no graph)
-                self.codec.reset(slot)
-                self.codec.prime(slot, upload(clone.ref_codes, torch.int64, self.device))  # type: ignore[arg-type]
-                self._states[clone.voice_id] = self.codec.snapshot(slot)
-                if len(self._states) > CODEC_STATE_CACHE:
-                    self._states.popitem(last=False)
-            ready = None
-            if self.device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record()
-            self._ready[request_id] = ready
-            self._last_use[slot] = ready
+        ready: Pending = None
+        if self._thread is not None:
+            ready = self._thread.submit(lambda: self._set_up(slot, spec))
+        else:
+            with self._lane(early=self._early_stream is not None):
+                self._set_up(slot, spec)
+                if self.device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record()
+        self._ready[request_id] = ready
+        self._last_use[slot] = ready
+
+    def _set_up(self, slot: int, spec: PromptSpec) -> None:
+        clone = spec.clone
+        if not spec.icl or clone is None:
+            self.codec.reset(slot)
+        elif (state := self._states.get(clone.voice_id)) is not None:
+            self._states.move_to_end(clone.voice_id)
+            self.codec.restore(slot, state)
+        else:  # a voice's first use: its reference codes run through the codec once (eagerly, no graph)
+            self.codec.reset(slot)
+            self.codec.prime(slot, upload(clone.ref_codes, torch.int64, self.device))  # type: ignore[arg-type]
+            self._states[clone.voice_id] = self.codec.snapshot(slot)
+            if len(self._states) > CODEC_STATE_CACHE:
+                self._states.popitem(last=False)
 
     def _take_slot(self) -> int:
         """The lowest free codec slot whose last decode has completed (waiting for one only if none has)."""
         for index, slot in enumerate(self._free_slots):
-            event = self._last_use.get(slot)
-            if event is None or event.query():
+            if _done(self._last_use.get(slot)):
                 return self._free_slots.pop(index)
         if not self._free_slots:
             raise RuntimeError("no free codec slot")  # cannot happen: twice as many as engine slots
         slot = self._free_slots.pop(0)
-        event = self._last_use.get(slot)
-        if event is not None:
-            event.synchronize()
+        _wait(self._last_use.get(slot))
         return slot
 
     def drop(self, request_id: str) -> None:
@@ -249,28 +318,50 @@ class AudioPipeline:
         """Whether a stream's first chunk is being decoded on the early lane (its decode not yet done): a paced
         step may wait for it, so that the decode has the device to itself (`StepLauncher._launch_step`)."""
         return any(
-            decoding.event is not None and not decoding.event.query() and any(p.index == 0 for p in decoding.plans)
-            for decoding in self._early_decoding
+            not _done(decoding.pending) and any(p.index == 0 for p in decoding.plans) for decoding in self._early_decoding
         )
 
     def _lane_depth(self) -> int:
-        """Decodes queued on the codec lane and not done (0 without a GPU: decodes there are synchronous)."""
-        return sum(1 for d in self._decoding if d.event is not None and not d.event.query())
+        """Decodes queued on the codec lane (or the CPU's codec thread) and not done (0 on a CPU without the
+        thread: decodes there are synchronous)."""
+        return sum(1 for d in self._decoding if not _done(d.pending))
 
     def _decode(self, group: list[ChunkPlan], n_frames: int, early: bool) -> None:
         slots = [self._slot_of[plan.request.request_id] for plan in group]
+        codes = np.stack([plan.codes for plan in group])
+        decoding = self._decode_on_thread(group, slots, codes) if self._thread is not None else (
+            self._decode_on_lane(group, slots, codes, n_frames, early))
+        for slot in slots:
+            self._last_use[slot] = decoding.pending
+        (self._early_decoding if early else self._decoding).append(decoding)
+        if self._on_decode is not None:
+            self._on_decode(len(group))
+
+    def _decode_on_thread(self, group: list[ChunkPlan], slots: list[int], codes: np.ndarray) -> _Decoding:
+        """Queue the decode on the CPU's codec thread, behind the slots' set-ups (queued there first)."""
+        assert self._thread is not None
+        for plan in group:
+            self._ready.pop(plan.request.request_id, None)
+        decoded = self._thread.submit(
+            lambda: self.codec.decode(slots, upload(codes, torch.int64, self.device)).to(torch.float32, copy=True)
+        )
+        return _Decoding(group, decoded, decoded)
+
+    def _decode_on_lane(
+        self, group: list[ChunkPlan], slots: list[int], codes: np.ndarray, n_frames: int, early: bool
+    ) -> _Decoding:
         with self._lane(early=early):
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             for plan in group:  # the slot's set-up (on the early lane) comes first
                 ready = self._ready.pop(plan.request.request_id, None)
-                if ready is not None and stream is not None and not early:
+                if isinstance(ready, torch.cuda.Event) and stream is not None and not early:
                     stream.wait_event(ready)
-            codes = upload(np.stack([plan.codes for plan in group]), torch.int64, self.device)
+            device_codes = upload(codes, torch.int64, self.device)
             graphs = self._early_graphs if early else self._graphs
             if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
-                pcm = graphs.decode(slots, codes)
+                pcm = graphs.decode(slots, device_codes)
             else:
-                pcm = self.codec.decode(slots, codes)
+                pcm = self.codec.decode(slots, device_codes)
             host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
             host.copy_(pcm, non_blocking=True)
             event = None
@@ -279,21 +370,17 @@ class AudioPipeline:
                 event.record()
             if early:
                 self._early_lane_done = event
-        for slot in slots:
-            self._last_use[slot] = event
-        (self._early_decoding if early else self._decoding).append(_Decoding(group, host, event))
-        if self._on_decode is not None:
-            self._on_decode(len(group))
+        return _Decoding(group, host, event)
 
     def finished(self) -> Iterator[tuple[ChunkPlan, np.ndarray]]:
         """Decoded chunks that are ready, oldest first per lane, the early lane emptied first."""
-        for pending in (self._early_decoding, self._decoding):
-            while pending:
-                decoding = pending[0]
-                if decoding.event is not None and not decoding.event.query():
+        for lane in (self._early_decoding, self._decoding):
+            while lane:
+                decoding = lane[0]
+                if not _done(decoding.pending):
                     break
-                pending.popleft()
-                yield from zip(decoding.plans, decoding.pcm.numpy(), strict=True)
+                lane.popleft()
+                yield from zip(decoding.plans, decoding.host_pcm(), strict=True)
 
     def clear(self) -> None:
         """Forget decodes in flight and waiting (after a failed step: their requests have failed)."""

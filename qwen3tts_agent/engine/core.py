@@ -39,8 +39,9 @@ from ..errors import (
     InvalidTextError,
     Qwen3TTSAgentError,
 )
+from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule
-from .audio import AudioPipeline
+from .audio import AudioPipeline, cpu_thread_split
 from .core_config import CoreConfig, CoreStats
 from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
 from .lanes import LanePriorities
@@ -80,10 +81,17 @@ class EngineCore:
         self._sink = sink
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
+        # on a CPU the codec has a thread and cores of its own beside the frame steps (engine/audio.py); not
+        # under Triton's interpreter (tests), which patches `triton.language` while it runs a kernel, so two
+        # threads cannot interpret kernels at once
+        self._step_threads, codec_threads = torch.get_num_threads(), 0
+        if self.device.type == "cpu" and config.overlap_codec and not kernel_common.interpreting():
+            self._step_threads, codec_threads = cpu_thread_split(self._step_threads)
         # one text-track token per frame at most, so a track never outgrows the cache
         self.runner = create_runner(
-            model, config.backend, max_slots=config.max_streams, max_seq_len=config.max_seq_len,
-            max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap, fused_kernels=config.fused_kernels,
+            model, config.backend, threads=self._step_threads, max_slots=config.max_streams,
+            max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap,
+            fused_kernels=config.fused_kernels,
             **prefix_store_options(
                 prefix_cache=config.prefix_cache, backend=config.backend, staged_prefill=config.staged_prefill
             ),
@@ -96,7 +104,7 @@ class EngineCore:
         self.audio = AudioPipeline(
             model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
             chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec, backend=config.backend,
-            hold_s=config.codec_hold_s, priorities=lanes, on_decode=self._count_decode,
+            hold_s=config.codec_hold_s, priorities=lanes, on_decode=self._count_decode, codec_threads=codec_threads,
         )
         self.scheduler = Scheduler(
             max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
@@ -169,6 +177,10 @@ class EngineCore:
     def run(self) -> None:
         """Serve until `stop()`; ends every live request before returning, also when the loop dies."""
         torch.set_grad_enabled(False)
+        if self.device.type == "cpu":
+            # this thread's own count (the codec thread sets its own); PyTorch also makes it the count of
+            # threads that start their first PyTorch work later
+            torch.set_num_threads(self._step_threads)
         if self._step_stream is not None:
             torch.cuda.synchronize(self.device)  # state tensors were made on the loading thread's stream
             torch.cuda.set_stream(self._step_stream)
@@ -188,6 +200,7 @@ class EngineCore:
             for request in self.scheduler.live():
                 self._end(request, FinishReason.ERROR, error)
             self._drain_after_stop(error)
+            self.audio.close()
 
     def _turn(self) -> None:
         started = time.perf_counter()

@@ -134,6 +134,10 @@ class Engine(EngineFrontend):
         where an engine near real time would otherwise cut most chunks short.
         `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
         kernels on a GPU), "torch", "int8", "int4" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
+        `overlap_codec`: decode audio beside the frame steps: on a GPU on CUDA streams of their own (with an
+        early lane for each stream's first two chunks), on a CPU on a thread of its own with a quarter of
+        the cores, the frame steps taking the rest (`engine/audio.py`). The codes are the same either way,
+        the audio too (on a CPU to float rounding: PyTorch's kernels on fewer threads).
         `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
         way (the "torch" backend; the CPU backends prefill every head). `staged_prefill`: with the prefix
