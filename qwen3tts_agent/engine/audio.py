@@ -79,8 +79,8 @@ def _wait(pending: Pending) -> None:
 def cpu_thread_split(threads: int) -> tuple[int, int]:
     """(frame-step threads, codec threads) for `threads` CPU cores; (threads, 0) where one core cannot run both.
 
-    A quarter of the cores for the codec, at least one: on 2 cores a frame step on one core and the codec on
-    the other made 107 ms a frame where the two in turn on both cores made 145 (0.6B, docs/cpu-backend.md)."""
+    A quarter of the cores for the codec, at least one: a frame step, bound by memory bandwidth, loses little
+    to fewer cores, and the codec decoding beside it hides most of its own time (docs/cpu-backend.md)."""
     if threads < 2:
         return threads, 0
     codec = max(1, threads // 4)
