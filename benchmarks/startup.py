@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="which starts to run, of cold,warm,prepared (warm follows cold, on its caches)")
     parser.add_argument("--out", type=Path, default=Path("startup.json"))
     args = parser.parse_args(argv)
+    unknown = set(args.cases) - {"cold", "warm", "prepared"}
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(sorted(unknown))} (of cold, warm, prepared)")
     report = run(args)
     args.out.write_text(json.dumps(report, indent=2))
     return report

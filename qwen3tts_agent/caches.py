@@ -6,10 +6,10 @@ synthetic checkpoints, the CPU backend's converted weights, and the Python bytec
 Bytecode: a Python package installed without compiled bytecode, in an interpreter that may not write it
 beside the sources (`PYTHONDONTWRITEBYTECODE=1`, common in container images), is compiled from source at
 every start. For torch, transformers and the official `qwen_tts` that is most of a start's imports (the
-H200 image's figures: docs/gpu.md). `use_bytecode_cache()` then points
-Python's `sys.pycache_prefix` at a folder of this cache, where the first start writes the bytecode and
-later starts read it; the installed packages are left untouched. `serve`, `prepare`, `say`, the engine
-core and the API workers call it first thing. Where the packages carry their bytecode, it does nothing.
+H200 image's figures: docs/gpu.md). `use_bytecode_cache()` then points Python's `sys.pycache_prefix` at a
+folder of this cache, where the first start writes the bytecode and later starts read it; the installed
+packages are left untouched. `serve`, `prepare`, `say`, the engine core and the API workers call it first
+thing. Where the packages carry their bytecode, it does nothing.
 """
 
 from __future__ import annotations
