@@ -88,18 +88,24 @@ def cpu_thread_split(threads: int) -> tuple[int, int]:
 
 
 class CodecThread:
-    """The CPU codec's own thread: calls run in submission order, each PyTorch op on `threads` cores."""
+    """The CPU codec's own thread: calls run in submission order, each PyTorch op on `threads` cores, without
+    autograd (as on the core's loop thread, `EngineCore.run`)."""
 
     def __init__(self, threads: int) -> None:
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="qwen3tts-codec", initializer=torch.set_num_threads, initargs=(threads,)
+            max_workers=1, thread_name_prefix="qwen3tts-codec", initializer=_codec_thread_start, initargs=(threads,)
         )
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        return self._executor.submit(torch.inference_mode()(fn))
+        return self._executor.submit(fn)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _codec_thread_start(threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(False)  # thread-local: set once for every call the thread runs
 
 
 @dataclass
@@ -155,7 +161,7 @@ class AudioPipeline:
         self._free_slots = list(range(live))  # codec slots no request owns (their last decode may be pending)
         self._last_use: dict[int, Pending] = {}  # codec slot -> its last decode's completion
         self._slot_of: dict[str, int] = {}  # request id -> its codec slot
-        self._ready: dict[str, Pending] = {}  # request id -> its slot's set-up
+        self._ready: dict[str, torch.cuda.Event | None] = {}  # request id -> its slot's set-up (not on a thread)
         # primed states per cloned voice (touched only where the codec runs: the codec thread, if any)
         self._states: collections.OrderedDict[str, list[torch.Tensor]] = collections.OrderedDict()
         self._early_lane_done: torch.cuda.Event | None = None  # the early lane's last decode
@@ -219,15 +225,15 @@ class AudioPipeline:
         """Give a request a codec slot and set it up: reset, or a cloned voice's primed reference codes."""
         slot = self._take_slot()
         self._slot_of[request_id] = slot
-        ready: Pending = None
-        if self._thread is not None:
-            ready = self._thread.submit(lambda: self._set_up(slot, spec))
-        else:
-            with self._lane(early=self._early_stream is not None):
-                self._set_up(slot, spec)
-                if self.device.type == "cuda":
-                    ready = torch.cuda.Event()
-                    ready.record()
+        if self._thread is not None:  # its decodes follow it on the same thread
+            self._last_use[slot] = self._thread.submit(lambda: self._set_up(slot, spec))
+            return
+        ready = None
+        with self._lane(early=self._early_stream is not None):
+            self._set_up(slot, spec)
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
         self._ready[request_id] = ready
         self._last_use[slot] = ready
 
@@ -340,8 +346,6 @@ class AudioPipeline:
     def _decode_on_thread(self, group: list[ChunkPlan], slots: list[int], codes: np.ndarray) -> _Decoding:
         """Queue the decode on the CPU's codec thread, behind the slots' set-ups (queued there first)."""
         assert self._thread is not None
-        for plan in group:
-            self._ready.pop(plan.request.request_id, None)
         decoded = self._thread.submit(
             lambda: self.codec.decode(slots, upload(codes, torch.int64, self.device)).to(torch.float32, copy=True)
         )
@@ -354,7 +358,7 @@ class AudioPipeline:
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             for plan in group:  # the slot's set-up (on the early lane) comes first
                 ready = self._ready.pop(plan.request.request_id, None)
-                if isinstance(ready, torch.cuda.Event) and stream is not None and not early:
+                if ready is not None and stream is not None and not early:
                     stream.wait_event(ready)
             device_codes = upload(codes, torch.int64, self.device)
             graphs = self._early_graphs if early else self._graphs
