@@ -3,7 +3,8 @@
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against
-# PyTorch), timeline (where a 0.6B frame's time goes), loop (where a live stream's frame period goes), parity,
+# PyTorch), timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
+# and the one-frame codec graph: benchmarks/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
@@ -81,6 +82,10 @@ for stage in "$@"; do
                     2>&1 | tee "$out/kernel-tests.log" ;;
     engine-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
+    first-audio) models=${FIRST_AUDIO_MODELS:-synthetic:0.6b-customvoice,synthetic:1.7b-customvoice}
+                 for m in ${models//,/ }; do checkpoint $m > /dev/null; done
+                 official -m benchmarks.first_audio_timeline --model "$models" ${FIRST_AUDIO_ARGS:-} --out "$out/first-audio${FIRST_AUDIO_TAG:-}.json" \
+                   2>&1 | tee "$out/first-audio${FIRST_AUDIO_TAG:-}.log" ;;
     single-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
                    --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null

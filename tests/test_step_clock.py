@@ -1,6 +1,6 @@
 """The step clock (`Engine(step_period_s=...)`) on the CPU: under load batched steps keep to it, a new stream's
-first frame does not wait for it, a paced step waits while a new stream's first chunk decodes, and no stream's
-codes or audio change.
+first frame does not wait for it, a paced step waits while a new stream's first chunk decodes (and with
+`first_audio_alone` any step that carries no first frame), and no stream's codes or audio change.
 
 Each stream's audio is one chunk here, so no stream has a chunk deadline while it steps and the clock is never
 released early for one (`Scheduler.pace_release`, tested in tests/test_scheduler.py)."""
@@ -103,6 +103,39 @@ def test_a_paced_step_waits_while_a_first_chunk_decodes() -> None:
     assert holds == 1
     for stream in streams:
         assert stream.result.codes == alone.codes
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["first_audio_alone", "paced_only"])
+def test_a_lone_streams_step_waits_while_its_first_chunk_decodes_with_first_audio_alone(alone: bool) -> None:
+    """`first_audio_alone` (on by default on a GPU): below the clock's load, one stream, a step waits while a
+    first chunk decodes (played by the test from the third step on, as above); without it, it does not."""
+    hold_s = 0.3
+    engine = engine_for("synthetic:tiny", max_streams=2, first_audio_alone=alone, chunk_schedule=(FRAMES,))
+    launches: list[float] = []
+    hold_until = [0.0]
+
+    def record(rows: Any, now: float) -> None:
+        launches.append(now)
+        if len(launches) == 3:
+            hold_until[0] = now + hold_s
+
+    sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
+    try:
+        voice = xvector_voice(engine)
+        _, reference = engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+        on_batched_launch(engine, record)
+        engine.core.audio.first_audio_in_flight = lambda: time.perf_counter() < hold_until[0]  # type: ignore[method-assign]
+        _, held = engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+        holds = engine.stats().first_audio_holds
+    finally:
+        engine.close()
+    assert len(launches) == FRAMES, launches
+    gaps = [b - a for a, b in zip(launches, launches[1:], strict=False)]
+    if alone:
+        assert gaps[2] >= hold_s - 0.005 and holds == 1
+    else:
+        assert max(gaps) < hold_s and holds == 0
+    assert held.codes == reference.codes
 
 
 def test_a_negative_period_is_refused() -> None:

@@ -138,7 +138,10 @@ class EngineCore:
         )
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
-        self.launcher = StepLauncher(self.scheduler, self.runner, self.steps, self.pacer, self.audio, self.stats, self._sampling)
+        self.launcher = StepLauncher(
+            self.scheduler, self.runner, self.steps, self.pacer, self.audio, self.stats, self._sampling,
+            first_audio_alone=config.first_audio_alone,
+        )
         self._failures = 0
         self._stopping = False
 

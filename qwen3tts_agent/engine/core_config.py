@@ -35,6 +35,7 @@ class CoreConfig:
     first_frame_load: int = 0  # ... from this many streams stepping
     step_period_s: float = 0.0  # under load, batched steps at most this often (StepPacer's clock); 0: off
     pace_load: int = 0  # ... from this many streams stepping (Scheduler.paced)
+    first_audio_alone: bool = False  # at any load, a step waits while a new stream's first frame and chunk run
 
 
 @dataclass
@@ -49,7 +50,7 @@ class CoreStats:
     first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
     clock_releases: int = 0  # paced steps that went before the clock's tick, for a stream's next chunk
-    first_audio_holds: int = 0  # paced steps that waited for a new stream's first frame and first chunk
+    first_audio_holds: int = 0  # steps that waited for a new stream's first frame and first chunk
     speculations: int = 0  # first frames run on a tentative text token (their audio held until it is final)
     speculation_misses: int = 0  # ... whose token turned out different: the request started over
     codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)

@@ -125,6 +125,7 @@ class Engine(EngineFrontend):
         codec_hold_s: float | None = None,
         first_frame_step_load: int | None = None,
         step_period_s: float | None = None,
+        first_audio_alone: bool | None = None,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
@@ -161,7 +162,13 @@ class Engine(EngineFrontend):
         streams' prompts, first frames and first chunks (`engine/pacer.py`); such a step also waits while a
         new stream's first frame runs and its first chunk decodes (unless a stream's next chunk would then
         be late). The audio is the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a
-        GPU with the "torch" backend, else 0."""
+        GPU with the "torch" backend, else 0.
+        `first_audio_alone`: below the step clock's load too, a frame step waits while a new stream's first
+        frame runs and its first chunk decodes, unless a stream's next chunk would then be late: the first
+        chunk's few hundred small codec kernels then have the device to themselves instead of sharing it
+        with the next frames' (a lone stream's next frames are far ahead of its listener anyway). The audio
+        is the same either way. None: on a GPU with the "torch" backend (on a CPU the codec has cores of
+        its own)."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -182,6 +189,9 @@ class Engine(EngineFrontend):
             codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
             **self._first_frame_step(first_frame_step_load, max_streams),
             step_period_s=self._step_period(step_period_s), pace_load=STEP_CLOCK_LOAD,
+            first_audio_alone=(
+                self.device.type == "cuda" and self.backend == "torch" if first_audio_alone is None else first_audio_alone
+            ),
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(

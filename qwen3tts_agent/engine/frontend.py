@@ -105,7 +105,7 @@ class EngineStats:
     first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (`Engine(first_frame_step=)`)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes (deadline-aware pacing)
     clock_releases: int = 0  # steps that went before the step clock's tick for a stream's deadline (`step_period_s`)
-    first_audio_holds: int = 0  # paced steps that waited for a new stream's first frame and chunk (`step_period_s`)
+    first_audio_holds: int = 0  # steps that waited for a new stream's first frame and chunk (`step_period_s`, `first_audio_alone`)
     speculations: int = 0  # first frames run on a tentative text token (`Engine(speculative_first_frame=...)`)
     speculation_misses: int = 0  # ... whose token turned out different, so the stream started over
     codec_decodes: int = 0  # batched codec calls (codec_chunks / codec_decodes is the mean batch)

@@ -3,8 +3,8 @@
 The core's loop asks it once a turn to launch and to collect. Launching decides whether a step goes now: a
 step of the first-frame slots alone for new streams under load; a batched step of every runnable stream
 when the pacer says the device is about to need one, which under load also waits for the step clock's
-tick, while a new stream's first frame runs and its first chunk decodes, and while urgent codec work has
-the device, each unless a stream's next chunk would then be late. Collecting reads the steps that have
+tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), and while
+urgent codec work has the device, each unless a stream's next chunk would then be late. Collecting reads the steps that have
 completed back into the scheduler and starts decoding the chunks that are due.
 
 It holds no request state of its own (that is the `Scheduler`'s) and no device work (that is `FrameSteps`'s
@@ -36,9 +36,11 @@ class StepLauncher:
 
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, steps: FrameSteps, pacer: StepPacer, audio: AudioPipeline,
-        stats: CoreStats, sampling: Mapping[str, SamplingParams],
+        stats: CoreStats, sampling: Mapping[str, SamplingParams], *, first_audio_alone: bool = False,
     ) -> None:
-        """`sampling`: each live request's sampling parameters, by request id (the core keeps it)."""
+        """`sampling`: each live request's sampling parameters, by request id (the core keeps it).
+        `first_audio_alone`: a step waits while a new stream's first frame runs and its first chunk decodes at
+        any load, not only when paced (`CoreConfig.first_audio_alone`)."""
         self.scheduler = scheduler
         self.runner = runner
         self.steps = steps
@@ -46,6 +48,7 @@ class StepLauncher:
         self.audio = audio
         self.stats = stats
         self._sampling = sampling
+        self._first_audio_alone = first_audio_alone
         self._release: float | None = None  # until when a held step may wait (Scheduler.pace_release)
         self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
 
@@ -108,9 +111,13 @@ class StepLauncher:
             return False
         paced = self.scheduler.paced(rows)
         early = paced and not self.pacer.clock_due(now)
-        # A paced step also waits while a new stream's first frame runs and its first chunk decodes: their
-        # kernels then have the device to themselves instead of queueing for it behind the step's.
-        held = early or (paced and (self.scheduler.first_frame_in_flight(rows) or self.audio.first_audio_in_flight()))
+        # A paced step (any step that carries no first frame, with `first_audio_alone`) also waits while a new
+        # stream's first frame runs and its first chunk decodes: their kernels then have the device to
+        # themselves instead of queueing for it behind the step's.
+        may_hold = paced or (self._first_audio_alone and all(r.frames_launched for r in rows))
+        held = early or (
+            may_hold and (self.scheduler.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
+        )
         if held:
             if self._release is None:  # until the next step, collect or delivery changes a stream's need
                 self._release = self.scheduler.pace_release(rows, self.pacer.step_period_s)
