@@ -24,6 +24,8 @@ import torch
 
 from benchmarks.bench_engine import log, profile_kernels
 from qwen3tts_agent import Engine, SamplingParams, Voice
+from qwen3tts_agent.engine.codec import StreamingCodecDecoder
+from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode
 from qwen3tts_agent.models.loading import load_official_model
 
 TEXT = "Hello there, how can I help you today?"
@@ -166,8 +168,24 @@ def codec_one_frame(engine: Engine, reps: int = 200) -> dict[str, Any]:
         out[f"graph_b1_t{frames}_ms"] = statistics.median(times)
     codes = torch.randint(0, 2048, (1, 1, codec.num_quantizers), device=engine.device)
     slots = torch.zeros(1, dtype=torch.long, device=engine.device)
+    out["transformer_path"] = codec.transformer_path
     out["eager_b1_t1_kernels"] = profile_kernels(lambda: codec.decode(slots, codes))
     out["eager_b1_t1_latent_kernels"] = profile_kernels(lambda: codec._latent(slots, codes))
+    # the same one-frame graph with the transformer on the official layers, on this machine
+    official_layers = StreamingCodecDecoder(codec._decoder, 2, fused_transformer=False)
+    with torch.cuda.stream(torch.cuda.Stream(engine.device)):
+        graphed = GraphedCodecDecode(official_layers, 1, [1], [1], name="official-layer codec")
+        graphed.capture(progress=False)
+        official_layers.reset(0)
+        times = []
+        for _ in range(reps):
+            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graphed.decode([0], codes)
+            done.record()
+            done.synchronize()
+            times.append(begin.elapsed_time(done))
+    out["graph_b1_t1_official_layers_ms"] = statistics.median(times)
     return out
 
 

@@ -14,6 +14,9 @@ carried per slot, so a chunk costs work proportional to its own frames:
 
 Shapes depend only on the call's (slots, frames), never on a stream's history, and state moves through
 index_select / index_copy_ on a slot tensor, so one call can be captured as a CUDA graph per bucket.
+
+Where the Triton kernels run, the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten
+launches a layer instead of sixty; equal to the official layers to float rounding) on the same state.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import common as kernel_common
 from ..kernels import snake as snake_kernel
 from ..models.compat import OfficialModule
+from .codec_transformer import FusedCodecTransformer
+from .codec_transformer import support as fused_transformer_support
 from .host import upload
 
 
@@ -91,8 +97,14 @@ class StreamingCodecDecoder:
     (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
-    def __init__(self, decoder: OfficialModule, max_streams: int) -> None:
-        """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`."""
+    def __init__(self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None) -> None:
+        """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`.
+
+        `fused_transformer`: run the transformer on the `kernels.codec_layer` kernels (`FusedCodecTransformer`,
+        equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
+        under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
+        True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
+        """
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self._decoder = decoder
@@ -120,6 +132,18 @@ class StreamingCodecDecoder:
             shape = (attn.k_proj.out_features // attn.head_dim, self._window - 1, attn.head_dim)
             self._kv.append((_History(self._zeros(*shape), dim=2), _History(self._zeros(*shape), dim=2)))
         self._positions = torch.zeros(max_streams, dtype=torch.long, device=self.device)
+        self._fused: FusedCodecTransformer | None = None
+        support = (
+            fused_transformer_support(transformer) if kernel_common.available(self.device)
+            else kernel_common.unsupported(f"no Triton kernels on {self.device.type}")
+        )
+        if fused_transformer and not support:
+            raise ValueError(f"the fused codec transformer does not run here: {support.reason}")
+        if support and (fused_transformer or (fused_transformer is None and self.device.type == "cuda")):
+            self._fused = FusedCodecTransformer(transformer, [(k.buffer, v.buffer) for k, v in self._kv])
+        # "triton", or "pytorch (why not)", as `runner.kernel_paths` reports a stack
+        off = support.reason or "fused transformer off"
+        self.transformer_path = "triton" if self._fused is not None else f"pytorch ({off})"
         self.prime_frames = self._audio_lookback()
         self._phase_split = {
             module for module in self._convs
@@ -289,8 +313,7 @@ class StreamingCodecDecoder:
         start = self._positions.index_select(0, slots)
         steps = torch.arange(frames, device=self.device)
         hidden = transformer.input_proj(x)
-        cos, sin = transformer.rotary_emb(hidden, start[:, None] + steps)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = transformer.rotary_emb(hidden, start[:, None] + steps)  # [B, T, head_dim]
 
         # Key j of [history (window - 1 frames), chunk] is frame start - (window - 1) + j. Query t sees the
         # window keys t..t + window - 1, minus those before the stream began (history not yet filled).
@@ -300,12 +323,17 @@ class StreamingCodecDecoder:
         started = keys[None, :] >= (self._window - 1) - start[:, None]
         mask = (band[None] & started[:, None, :]).unsqueeze(1)
 
-        for layer, kv in zip(transformer.layers, self._kv, strict=True):
-            attended = self._attend(layer.self_attn, layer.input_layernorm(hidden), cos, sin, mask, slots, kv)
-            hidden = hidden + layer.self_attn_layer_scale(attended)
-            hidden = hidden + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(hidden)))
+        if self._fused is not None:
+            out = self._fused(hidden, cos, sin, mask, slots)
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            for layer, kv in zip(transformer.layers, self._kv, strict=True):
+                attended = self._attend(layer.self_attn, layer.input_layernorm(hidden), cos, sin, mask, slots, kv)
+                hidden = hidden + layer.self_attn_layer_scale(attended)
+                hidden = hidden + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(hidden)))
+            out = transformer.output_proj(transformer.norm(hidden))
         self._positions.index_copy_(0, slots, start + frames)
-        return transformer.output_proj(transformer.norm(hidden))
+        return out
 
     @staticmethod
     def _attend(

@@ -336,6 +336,11 @@ class EngineCore:
                             rows.append((plan, row))
                 if rows:
                     self._prefill(rows)
+                # a new request's codec slot is set up (on the codec's own lane or thread) once its prompt has
+                # gone: its first decode is a frame away, and the prompt's launch is what its first audio waits for
+                for request in admitted:
+                    if self.scheduler.is_live(request):
+                        self._guarded(request, self.audio.start, request.request_id, self._specs[request.request_id])
                 if self._prefill_stream is not None:
                     done = torch.cuda.Event()
                     done.record()
@@ -355,7 +360,6 @@ class EngineCore:
         assert slot is not None
         spec = self._specs[request.request_id]
         self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
-        self.audio.start(request.request_id, spec)
         length = self.prefills.copy_head(spec, slot)
         if length is not None:  # the voice's head was prefilled before: its keys and values were copied
             self.scheduler.on_prefilled(PrefillPlan(request, head=True, body_ids=None), length, time.perf_counter())

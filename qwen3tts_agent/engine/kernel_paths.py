@@ -2,7 +2,7 @@
 
 The runner turns the answer into two flags (`ModelRunner.fused_talker`, `fused_predictor`) and keeps it as
 `kernel_paths`, which the engine's stats report per stack (`EngineStats.kernel_paths`); the codec decoder
-makes the same `snake.supports` check per module itself. Kept apart from the runner because the choice reads
+makes the same `snake.supports` and `codec_transformer.support` checks itself. Kept apart from the runner because the choice reads
 only the stacks' shapes and the kernels' `supports` checks, none of the runner's state.
 """
 
@@ -17,6 +17,7 @@ from ..kernels import common as kernel_common
 from ..kernels import decode_layer, gemv, snake
 from ..kernels import frame as frame_kernels
 from ..kernels import sampling as sampling_kernels
+from .codec_transformer import support as codec_transformer_support
 from .layers import FusedDecoderLayer
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ TRITON_PATH = "triton"  # a `kernel_paths` value: the stack runs as the Triton k
 def choose_kernel_paths(
     talker: list[FusedDecoderLayer],
     predictor: list[FusedDecoderLayer],
-    codec_decoder: nn.Module,
+    codec_decoder: nn.Module,  # the official `Qwen3TTSTokenizerV2Decoder` (pre-transformer and audio decoder)
     *,
     device: torch.device,
     dtype: torch.dtype,
@@ -39,7 +40,8 @@ def choose_kernel_paths(
     A stack runs fused only if every kernel family it uses takes its shapes (`supports`), so no shape
     ever fails a step: the rest stays on the PyTorch layers, which the CUDA graphs capture just the
     same. Shapes the kernels refuse are worth a warning (that stack is slower); no GPU or
-    `fused_kernels=False` (`requested`) is not. The codec's SnakeBeta kernel does not follow `fused_kernels`.
+    `fused_kernels=False` (`requested`) is not. The codec's kernels (SnakeBeta, the fused transformer) do not
+    follow `fused_kernels`.
     """
 
     def stack(layers: list[FusedDecoderLayer]) -> list[kernel_common.Support]:
@@ -53,7 +55,10 @@ def choose_kernel_paths(
     checks = {
         "talker": stack(talker),
         "predictor": stack(predictor),
-        "codec": [snake.supports(m) for m in snake.snake_modules(codec_decoder)],
+        "codec": [
+            *(snake.supports(m) for m in snake.snake_modules(codec_decoder)),
+            codec_transformer_support(codec_decoder.pre_transformer),
+        ],
     }
     available = kernel_common.available(device)
     paths, refused = {}, []

@@ -112,7 +112,7 @@ class ModelRunner:
         self.p_cos, self.p_sin = rope_tables(p_inv_freq, p_pos, self.dtype)
         # per stack ("talker", "predictor", "codec"): "triton", or "pytorch (why not)"
         self.kernel_paths = choose_kernel_paths(
-            self.layers, self.p_layers, model.speech_tokenizer.model.decoder.decoder,
+            self.layers, self.p_layers, model.speech_tokenizer.model.decoder,
             device=self.device, dtype=self.dtype, max_slots=max_slots, requested=fused_kernels,
         )
         self.fused_talker = self.kernel_paths["talker"] == TRITON_PATH
