@@ -276,7 +276,7 @@ class EngineCore:
             if failed is not None:
                 self._end(failed, FinishReason.ERROR, exc)
             else:
-                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, _error_info(exc), exception=exc))
+                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, ErrorInfo.of(exc), exception=exc))
 
     def _add(self, message: AddRequest) -> None:
         spec = message.spec
@@ -463,9 +463,9 @@ class EngineCore:
             if not isinstance(error, Qwen3TTSAgentError):
                 logger.error("request %s failed: %r", rid, error)
         self._sink_finish(FinishOutput(
-            rid, reason, None if error is None else _error_info(error), frames=request.frames,
+            rid, reason, None if error is None else ErrorInfo.of(error), frames=request.frames,
             queue_wait=max(0.0, request.admitted_at - request.submitted) if request.admitted_at else 0.0,
-            text_wait=_text_wait(request), codes=request.codes, exception=error,
+            text_wait=request.text_wait(time.perf_counter()), codes=request.codes, exception=error,
         ))
 
     def _sink_finish(self, output: FinishOutput) -> None:
@@ -482,7 +482,7 @@ class EngineCore:
             except queue.Empty:
                 return
             if isinstance(message, AddRequest):
-                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, _error_info(error), exception=error))
+                self._sink_finish(FinishOutput(message.request_id, FinishReason.ERROR, ErrorInfo.of(error), exception=error))
             elif isinstance(message, _Control) and message.future is not None:
                 message.future.set_exception(error)
 
@@ -509,18 +509,6 @@ class _Control:
 
     fn: Callable[[], Any] | None
     future: Future[Any] | None
-
-
-def _text_wait(request: RequestState) -> float:
-    """How long the request's first frame waited for text: from its admission (before it, it waited for a
-    slot) until the text its first frame needs had arrived, or until now if it never did."""
-    if not request.admitted_at:
-        return 0.0
-    return max(0.0, (request.text_ready or time.perf_counter()) - request.admitted_at)
-
-
-def _error_info(exc: BaseException) -> ErrorInfo:
-    return ErrorInfo(type(exc).__name__, str(exc) or type(exc).__name__)
 
 
 def _poisons_device(exc: BaseException) -> bool:

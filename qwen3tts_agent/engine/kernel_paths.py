@@ -2,8 +2,9 @@
 
 The runner turns the answer into two flags (`ModelRunner.fused_talker`, `fused_predictor`) and keeps it as
 `kernel_paths`, which the engine's stats report per stack (`EngineStats.kernel_paths`); the codec decoder
-makes the same `snake.supports` and `codec_transformer.support` checks itself. Kept apart from the runner because the choice reads
-only the stacks' shapes and the kernels' `supports` checks, none of the runner's state.
+makes the same `snake.supports` and `codec_transformer.support` checks itself. Kept apart from the runner
+because the choice reads only the stacks' shapes and the kernels' `supports` checks, none of the runner's
+state.
 """
 
 from __future__ import annotations

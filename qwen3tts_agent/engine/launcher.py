@@ -4,8 +4,8 @@ The core's loop asks it once a turn to launch and to collect. Launching decides 
 step of the first-frame slots alone for new streams under load; a batched step of every runnable stream
 when the pacer says the device is about to need one, which under load also waits for the step clock's
 tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), and while
-urgent codec work has the device, each unless a stream's next chunk would then be late. Collecting reads the steps that have
-completed back into the scheduler and starts decoding the chunks that are due.
+urgent codec work has the device, each unless a stream's next chunk would then be late. Collecting reads
+the steps that have completed back into the scheduler and starts decoding the chunks that are due.
 
 It holds no request state of its own (that is the `Scheduler`'s) and no device work (that is `FrameSteps`'s
 and the `AudioPipeline`'s): only the two facts that last from one turn to the next, until when a held step

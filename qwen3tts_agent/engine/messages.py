@@ -99,6 +99,10 @@ class ErrorInfo:
     kind: str
     message: str
 
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorInfo:
+        return cls(type(exc).__name__, str(exc) or type(exc).__name__)
+
 
 @dataclass(frozen=True)
 class FinishOutput:

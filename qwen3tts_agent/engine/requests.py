@@ -121,6 +121,13 @@ class RequestState:
             return None
         return self.first_audio + self.delivered_frames * FRAME_SECONDS
 
+    def text_wait(self, now: float) -> float:
+        """How long the first frame waited for text: from admission (before it, the request waited for a
+        slot) until the text its first frame needs had arrived, or until `now` if it never did."""
+        if not self.admitted_at:
+            return 0.0
+        return max(0.0, (self.text_ready or now) - self.admitted_at)
+
     def take_pending(self, n_frames: int) -> np.ndarray:
         codes = np.stack(self.pending[:n_frames])
         del self.pending[:n_frames]
