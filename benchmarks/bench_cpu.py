@@ -40,7 +40,8 @@ from benchmarks.bench_engine import (
     summarize,
 )
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.cli import demo_reference
+from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
+from qwen3tts_agent.reference import demo_reference
 
 
 def load_average() -> str:
@@ -315,7 +316,8 @@ def ggml_peer() -> dict[str, str]:
 async def engine_runs(official: object, backend: str, args: argparse.Namespace, reference) -> dict[str, object]:
     report: dict[str, object] = {"backend": backend}
     started = time.perf_counter()
-    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, backend=backend, overlap_codec=args.overlap_codec)
+    engine = Engine(official, max_streams=1, max_seq_len=args.max_seq_len, backend=backend, overlap_codec=args.overlap_codec,
+                    chunk_schedule=args.chunk_schedule)
     report["engine_ready_s"] = time.perf_counter() - started
     engine.warmup(progress=False)
     voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
@@ -341,7 +343,7 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
     report["peak_rss_gib_after_single"] = peak_rss_gib()
     if args.concurrent:
         engine = Engine(official, max_streams=args.concurrent, max_seq_len=args.max_seq_len, backend=backend,
-                        overlap_codec=args.overlap_codec)
+                        overlap_codec=args.overlap_codec, chunk_schedule=args.chunk_schedule)
         engine.warmup(progress=False)
         voice = Voice(prompt=engine.create_voice(reference, REF_TEXT))
         report["frame_step"][str(args.concurrent)] = frame_step_ms(engine, args.concurrent, min(256, args.max_seq_len),
@@ -389,6 +391,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "frames_per_stream": args.frames, "text_chars": len(BENCH_TEXT),
         "reference_s": 3.0, "load_average_start": load_average(), "overlap_codec": args.overlap_codec,
+        "chunk_schedule": list(args.chunk_schedule),
     }
     try:
         import onnxruntime
@@ -456,6 +459,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="frame steps and codec on two threads at once")
     parser.add_argument("--no-overlap-codec", dest="overlap_codec", action="store_false",
                         help="the engine's codec on its loop's thread, after each step (default: a thread of its own)")
+    parser.add_argument("--chunk-schedule", type=lambda s: tuple(int(x) for x in s.split(",")), default=DEFAULT_CHUNK_SCHEDULE,
+                        help="frames per chunk, the last repeated (the engine's default: 1,2,4,8)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_cpu.json"))
     args = parser.parse_args()
