@@ -17,6 +17,7 @@ from qwen3tts_agent.engine.sampling import (
     SamplerRows,
     apply_repetition_penalty,
     gumbel_noise,
+    gumbel_noise_at,
     sample,
     uniform_noise,
     warp_candidates,
@@ -75,10 +76,21 @@ def test_gumbel_sampling_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4)
     rows = _rows(20000, 1.0, 4, 1.0)
-    gumbel = gumbel_noise(torch.full((20000,), 12345), torch.arange(20000).unsqueeze(1), 4)[:, 0]
-    draws = sample(logits, rows, gumbel, cap=4)
+    seed, counter = torch.full((20000,), 12345), torch.arange(20000)
+    draws = sample(logits, rows, lambda ids: gumbel_noise_at(seed, counter, ids), cap=4)
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+def test_noise_at_candidates_equals_the_whole_vocabularys() -> None:
+    """`gumbel_noise_at` is `gumbel_noise` at the given ids, bit for bit (the draws of both paths agree)."""
+    gen = torch.Generator().manual_seed(3)
+    seed = torch.randint(0, 2**48, (5,), generator=gen)
+    counter = torch.randint(0, 10_000, (5,), generator=gen)
+    whole = gumbel_noise(seed, counter.unsqueeze(1), 3072)[:, 0]
+    ids = torch.randint(0, 3072, (5, 64), generator=gen)
+    assert torch.equal(gumbel_noise_at(seed, counter, ids), whole.gather(1, ids))
+    assert whole.std() > 0.5  # real noise, not a constant
 
 
 def test_noise_is_a_pure_function_of_seed_and_counter() -> None:

@@ -27,7 +27,7 @@ from ..models.compat import OfficialModule
 from .host import upload
 from .kernel_paths import TRITON_PATH, choose_kernel_paths
 from .layers import FusedDecoderLayer, rope_tables
-from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise, sample
+from .sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty, gumbel_noise_at, sample
 from .staging import StagingCache
 
 PREDICTOR_POSITIONS = 16  # 2-token prefill (talker hidden, codebook 0) + 14 single steps
@@ -330,8 +330,8 @@ class ModelRunner:
         scores = scores.masked_fill(self.suppress, float("-inf"))
         scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
         counter = self.n_sampled[slots] * self.num_groups
-        gumbel = gumbel_noise(self.seed[slots], counter.unsqueeze(1), self.vocab_size)[:, 0]
-        return sample(scores, params, gumbel, self.top_k_cap, sampling)
+        seed = self.seed[slots]
+        return sample(scores, params, lambda ids: gumbel_noise_at(seed, counter, ids), self.top_k_cap, sampling)
 
     def _record_code0(
         self, logits: torch.Tensor, slots: torch.Tensor, act: torch.Tensor, hidden: torch.Tensor, *, frame: bool,
@@ -375,8 +375,8 @@ class ModelRunner:
         # draw counters: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then one more for
         # each of the frame's codes 1..15; the talker's next draw follows them
         counter = (self.n_sampled[rows] - 1) * self.num_groups + code
-        gumbel = gumbel_noise(self.seed[rows], counter.unsqueeze(1), logits.shape[-1])[:, 0]
-        token = sample(logits, params, gumbel, self.top_k_cap, sampling)
+        seed = self.seed[rows]
+        token = sample(logits, params, lambda ids: gumbel_noise_at(seed, counter, ids), self.top_k_cap, sampling)
         self.frame_codes[rows, code] = token
         embed = self.p_embeddings[code - 1](token)
         self.p_step_input[rows] = embed

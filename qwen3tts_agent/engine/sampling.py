@@ -10,6 +10,7 @@ request whatever else shares the batch, and free of host synchronisation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,16 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
 
 def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_noise(seed, counter, vocab_size)))
+
+
+def gumbel_noise_at(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`gumbel_noise(seed, counter[:, None], vocab)[:, 0]` at token ids [rows, k] only, bit for bit (the same
+    elementwise hash and logs): a draw needs the noise of its candidates alone, a few dozen of thousands."""
+    seed = seed.view(-1, 1)
+    h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(ids))
+    h = _pcg_hash(h ^ (counter & _MASK32).view(-1, 1))
+    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
+    return -torch.log(-torch.log((h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)))
 
 
 @dataclass
@@ -75,16 +86,20 @@ def warp_candidates(scores: torch.Tensor, rows: SamplerRows, cap: int) -> tuple[
     return values, ids
 
 
-def sample(scores: torch.Tensor, rows: SamplerRows, gumbel: torch.Tensor, cap: int, any_sampling: bool = True) -> torch.Tensor:
+def sample(
+    scores: torch.Tensor, rows: SamplerRows, gumbel_at: Callable[[torch.Tensor], torch.Tensor], cap: int,
+    any_sampling: bool = True,
+) -> torch.Tensor:
     """Draw for sampling rows (Gumbel-max over the warped candidates), argmax for greedy rows. int64 [rows].
 
-    `gumbel` [rows, >= vocab] is indexed by token id so a row's draw does not depend on the candidate order.
-    `any_sampling=False` (known on the host when every row is greedy) skips the warping work.
+    `gumbel_at(ids)` gives each row's Gumbel noise at token ids [rows, k] (`gumbel_noise_at`): indexed by token
+    id, so a row's draw does not depend on the candidate order. `any_sampling=False` (known on the host when
+    every row is greedy) skips the warping work.
     """
     scores = scores.float()
     greedy = scores.argmax(dim=-1)
     if not any_sampling:
         return greedy
     values, ids = warp_candidates(scores, rows, cap)
-    choice = (values + gumbel.gather(1, ids)).argmax(dim=-1, keepdim=True)
+    choice = (values + gumbel_at(ids)).argmax(dim=-1, keepdim=True)
     return torch.where(rows.do_sample, ids.gather(1, choice).squeeze(1), greedy)

@@ -3,8 +3,8 @@
 A frame's kernels (`frame.py`) sample with it inside their per-row bookkeeping; `fused_sample` runs it alone,
 one launch for a batch of rows, which is how the tests hold it against the PyTorch reference.
 
-The PyTorch path materialises hashed noise for the whole vocabulary (`gumbel_noise`) and then runs argmax,
-topk, softmax and cumsum as separate kernels; with 16 samplings per frame that is a large share of a small
+The PyTorch path hashes noise for the candidates (`gumbel_noise_at`) and runs argmax, topk, softmax and cumsum
+as separate kernels; with 16 samplings per frame that is a large share of a small
 batch's frame. Here one program per row loads the scores, applies the talker's repetition penalty and
 suppression, and then either takes the argmax (greedy rows) or selects the `cap` best tokens with a bitonic
 top-k, applies temperature, top-k and top-p exactly as `warp_candidates` does, and draws by Gumbel-max with

@@ -16,7 +16,7 @@ import torch
 from qwen3tts_agent.engine.sampling import (
     SamplerRows,
     apply_repetition_penalty,
-    gumbel_noise,
+    gumbel_noise_at,
     sample,
     warp_candidates,
 )
@@ -66,9 +66,8 @@ def _compare(device: str, scores: torch.Tensor, rows: dict[str, torch.Tensor], c
         s = s.masked_fill(talker["suppress"], float("-inf"))
         eos = talker["eos_id"]
         s[:, eos] = torch.where(talker["eos_blocked"], float("-inf"), s[:, eos])
-    gumbel = gumbel_noise(rows["seed"], rows["counter"].unsqueeze(1), scores.shape[1])[:, 0]
     params = SamplerRows(rows["do_sample"], rows["temperature"], rows["top_k"], rows["top_p"])
-    ref = sample(s, params, gumbel, cap)
+    ref = sample(s, params, lambda ids: gumbel_noise_at(rows["seed"], rows["counter"], ids), cap)
     sampled = rows["do_sample"]
     return {
         "kernel": out.tolist(),
