@@ -15,8 +15,8 @@ carried per slot, so a chunk costs work proportional to its own frames:
 Shapes depend only on the call's (slots, frames), never on a stream's history, and state moves through
 index_select / index_copy_ on a slot tensor, so one call can be captured as a CUDA graph per bucket.
 
-Where the Triton kernels run, the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten
-launches a layer instead of sixty; equal to the official layers to float rounding) on the same state.
+On a GPU the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten launches a layer instead
+of sixty; equal to the official layers to float rounding) on the same state.
 """
 
 from __future__ import annotations
