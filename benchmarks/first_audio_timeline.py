@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_engine import log, profile_kernels
+from benchmarks.loop_timeline import chrome_trace, gpu_events
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.engine.codec import StreamingCodecDecoder
 from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode
@@ -51,7 +52,7 @@ async def first_chunk(engine: Engine, voice: Voice, seed: int) -> dict[str, floa
 
 def lane_layout(prof: torch.profiler.profile) -> dict[str, Any]:
     """The device's work between `open_stream` and `first_chunk`, per CUDA stream, in µs from `open_stream`."""
-    trace = _trace(prof)
+    trace = chrome_trace(prof)
     events = gpu_events(trace)
     marks = [e for e in trace if e.get("name") in ("open_stream", "first_chunk")]
     start = min(float(e["ts"]) for e in marks if e["name"] == "open_stream")
@@ -77,22 +78,6 @@ def lane_layout(prof: torch.profiler.profile) -> dict[str, Any]:
         lane["last_us"] = round(lane["last_us"], 1)
         lane["busy_us"] = round(lane["busy_us"], 1)
     return {"first_chunk_at_us": round(end - start, 1), "lanes": lanes, "graph_launches": launches[:40]}
-
-
-def gpu_events(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Kernels, copies and the host's CUDA calls of a trace: name, kind, stream, start and end (µs)."""
-    kinds = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver")
-    out = [{"name": e["name"], "kind": e["cat"], "stream": e.get("args", {}).get("stream"),
-            "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"])}
-           for e in trace if e.get("cat") in kinds and e.get("dur", 0) > 0]
-    return sorted(out, key=lambda e: e["start"])
-
-
-def _trace(prof: torch.profiler.profile) -> list[dict[str, Any]]:
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        return json.loads(Path(f.name).read_text())["traceEvents"]
 
 
 # The host-side steps of a first audio, as (owner path on the engine, method name): the caller's thread first,

@@ -29,13 +29,18 @@ from qwen3tts_agent.reference import demo_reference
 LAST_KERNEL_OF_A_FRAME = "_talker_code0_kernel"
 
 
-def gpu_events(prof: torch.profiler.profile) -> list[dict[str, Any]]:
-    """Kernels and copies from the profiler's trace: name, kind, stream, start and end (µs)."""
+def chrome_trace(prof: torch.profiler.profile) -> list[dict[str, Any]]:
+    """The profiler's trace events (a profile exports its trace once)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.loads(Path(f.name).read_text())
+        return json.loads(Path(f.name).read_text())["traceEvents"]
+
+
+def gpu_events(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kernels, copies and the host's CUDA calls from a `chrome_trace`: name, kind, stream, thread, start and
+    end (µs)."""
     out = []
-    for e in trace["traceEvents"]:
+    for e in trace:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver") and e.get("dur", 0) > 0:
             out.append({"name": e["name"], "kind": e["cat"], "stream": e.get("args", {}).get("stream"), "tid": e.get("tid"),
                         "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"])})
@@ -99,7 +104,7 @@ async def profile_stream(engine: Engine, voice: Voice, n_frames: int) -> list[di
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         await run_stream(engine, voice, n_frames, seed=1)
         torch.cuda.synchronize()
-    return gpu_events(prof)
+    return gpu_events(chrome_trace(prof))
 
 
 def main() -> None:
