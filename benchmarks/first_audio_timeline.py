@@ -140,17 +140,8 @@ def codec_one_frame(engine: Engine, reps: int = 200) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for frames in graphs.frame_sizes:
         codes = torch.randint(0, 2048, (1, frames, codec.num_quantizers), device=engine.device)
-        slot = [0]
         codec.reset(0)
-        times = []
-        for _ in range(reps):
-            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graphs.decode(slot, codes)
-            done.record()
-            done.synchronize()
-            times.append(begin.elapsed_time(done))
-        out[f"graph_b1_t{frames}_ms"] = statistics.median(times)
+        out[f"graph_b1_t{frames}_ms"] = _median_ms(lambda c=codes: graphs.decode([0], c), reps)
     codes = torch.randint(0, 2048, (1, 1, codec.num_quantizers), device=engine.device)
     slots = torch.zeros(1, dtype=torch.long, device=engine.device)
     out["transformer_path"] = codec.transformer_path
@@ -162,29 +153,39 @@ def codec_one_frame(engine: Engine, reps: int = 200) -> dict[str, Any]:
         graphed = GraphedCodecDecode(official_layers, 1, [1], [1], name="official-layer codec")
         graphed.capture(progress=False)
         official_layers.reset(0)
-        times = []
-        for _ in range(reps):
-            begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graphed.decode([0], codes)
-            done.record()
-            done.synchronize()
-            times.append(begin.elapsed_time(done))
-    out["graph_b1_t1_official_layers_ms"] = statistics.median(times)
+        out["graph_b1_t1_official_layers_ms"] = _median_ms(lambda: graphed.decode([0], codes), reps)
     return out
+
+
+def _median_ms(call: Any, reps: int) -> float:
+    """The median device time of `call()` on the current CUDA stream (events around each call)."""
+    times = []
+    for _ in range(reps):
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        call()
+        done.record()
+        done.synchronize()
+        times.append(begin.elapsed_time(done))
+    return statistics.median(times)
+
+
+async def stage_medians(engine: Engine, voice: Voice, runs: int, label: str) -> dict[str, float]:
+    """First audio's host stages, p50 over `runs` streams after 3 unmeasured ones (logged under `label`)."""
+    for seed in range(3):
+        await first_chunk(engine, voice, seed)
+    measured = [await first_chunk(engine, voice, seed) for seed in range(3, 3 + runs)]
+    stages = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+    log(f"{label}: first audio stages p50 (ms) {json.dumps({k: round(v, 2) for k, v in stages.items()})}")
+    return stages
 
 
 async def stages_only(official: object, args: argparse.Namespace, **engine_kwargs: Any) -> dict[str, Any]:
     """First audio's host stages (p50 over `args.runs` streams) on an engine built with `engine_kwargs`."""
     engine = Engine(official, max_streams=args.max_streams, max_seq_len=512, **engine_kwargs)  # type: ignore[arg-type]
     engine.warmup(progress=False)
-    voice = Voice(speaker=engine.speakers[0])
-    for seed in range(3):
-        await first_chunk(engine, voice, seed)
-    runs = [await first_chunk(engine, voice, seed) for seed in range(3, 3 + args.runs)]
+    stages = await stage_medians(engine, Voice(speaker=engine.speakers[0]), args.runs, str(engine_kwargs))
     engine.close()
-    stages = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    log(f"{engine_kwargs}: first audio stages p50 (ms) {json.dumps({k: round(v, 2) for k, v in stages.items()})}")
     return {"engine": {k: str(v) for k, v in engine_kwargs.items()}, "stages_ms_p50": stages}
 
 
@@ -201,11 +202,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         engine.warmup(progress=False)
         result: dict[str, Any] = {"warmup_s": time.perf_counter() - started}
         voice = Voice(speaker=engine.speakers[0])
-        for seed in range(3):
-            await first_chunk(engine, voice, seed)
-        runs = [await first_chunk(engine, voice, seed) for seed in range(3, 3 + args.runs)]
-        result["stages_ms_p50"] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        log(f"{model}: first audio stages p50 (ms) {json.dumps({k: round(v, 2) for k, v in result['stages_ms_p50'].items()})}")
+        result["stages_ms_p50"] = await stage_medians(engine, voice, args.runs, model)
         result["host_timeline_ms_p50"] = await host_timeline(engine, voice, args.runs)
         for name, step in result["host_timeline_ms_p50"].items():
             log(f"  host {name:28s} {step['start_ms']:7.3f} -> {step['end_ms']:7.3f} ms ({step['calls']:g} calls)")

@@ -329,9 +329,10 @@ class ModelRunner:
         scores = apply_repetition_penalty(logits.float(), self.seen[slots], self.repetition_penalty[slots])
         scores = scores.masked_fill(self.suppress, float("-inf"))
         scores[:, self.eos_id] = torch.where(eos_blocked, float("-inf"), scores[:, self.eos_id])
-        counter = self.n_sampled[slots] * self.num_groups
-        seed = self.seed[slots]
-        return sample(scores, params, lambda ids: gumbel_noise_at(seed, counter, ids), self.top_k_cap, sampling)
+        def gumbel_at(ids: torch.Tensor) -> torch.Tensor:  # only sampling rows draw: greedy steps skip it
+            return gumbel_noise_at(self.seed[slots], self.n_sampled[slots] * self.num_groups, ids)
+
+        return sample(scores, params, gumbel_at, self.top_k_cap, sampling)
 
     def _record_code0(
         self, logits: torch.Tensor, slots: torch.Tensor, act: torch.Tensor, hidden: torch.Tensor, *, frame: bool,
@@ -372,11 +373,13 @@ class ModelRunner:
             do_sample=self.sub_do_sample[rows], temperature=self.sub_temperature[rows], top_k=self.sub_top_k[rows],
             top_p=self.sub_top_p[rows],
         )
-        # draw counters: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then one more for
-        # each of the frame's codes 1..15; the talker's next draw follows them
-        counter = (self.n_sampled[rows] - 1) * self.num_groups + code
-        seed = self.seed[rows]
-        token = sample(logits, params, lambda ids: gumbel_noise_at(seed, counter, ids), self.top_k_cap, sampling)
+        def gumbel_at(ids: torch.Tensor) -> torch.Tensor:  # only sampling rows draw: greedy steps skip it
+            # draw counters: (n_sampled - 1) * num_groups for codebook 0 (drawn by the talker), then one more
+            # for each of the frame's codes 1..15; the talker's next draw follows them
+            counter = (self.n_sampled[rows] - 1) * self.num_groups + code
+            return gumbel_noise_at(self.seed[rows], counter, ids)
+
+        token = sample(logits, params, gumbel_at, self.top_k_cap, sampling)
         self.frame_codes[rows, code] = token
         embed = self.p_embeddings[code - 1](token)
         self.p_step_input[rows] = embed

@@ -26,14 +26,18 @@ def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
     return ((word >> 22) ^ word) & _MASK32
 
 
+def _hashed_uniform(seed: torch.Tensor, counter: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float32 noise of (seed, counter, token index), the three broadcast against each other."""
+    h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(index))
+    h = _pcg_hash(h ^ (counter & _MASK32))
+    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
+    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+
+
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) float32 noise [*counter.shape, vocab] from per-row seeds [rows] and counters [rows, ...]."""
     index = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    seed = seed.view(-1, *([1] * (counter.dim() - 1)), 1)
-    h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(index))
-    h = _pcg_hash(h ^ (counter & _MASK32).unsqueeze(-1))
-    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
-    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    return _hashed_uniform(seed.view(-1, *([1] * (counter.dim() - 1)), 1), counter.unsqueeze(-1), index)
 
 
 def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -43,11 +47,7 @@ def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> 
 def gumbel_noise_at(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`gumbel_noise(seed, counter[:, None], vocab)[:, 0]` at token ids [rows, k] only, bit for bit (the same
     elementwise hash and logs): a draw needs the noise of its candidates alone, a few dozen of thousands."""
-    seed = seed.view(-1, 1)
-    h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(ids))
-    h = _pcg_hash(h ^ (counter & _MASK32).view(-1, 1))
-    h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
-    return -torch.log(-torch.log((h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)))
+    return -torch.log(-torch.log(_hashed_uniform(seed.view(-1, 1), counter.view(-1, 1), ids)))
 
 
 @dataclass
