@@ -136,6 +136,18 @@ async def test_concurrent_sessions_share_the_engine(server: RunningServer) -> No
         assert len(heard.audio) == heard.done["metrics"]["frames"] * FRAME * 2 > 0
 
 
+async def test_audio_goes_uncompressed_to_a_client_offering_permessage_deflate(server: RunningServer) -> None:
+    # the websockets client offers permessage-deflate by default, as browsers do; the server declines it
+    async with ws_connect(server) as ws:
+        assert ws.request is not None and "permessage-deflate" in ws.request.headers["Sec-WebSocket-Extensions"]
+        assert ws.response is not None and "Sec-WebSocket-Extensions" not in ws.response.headers
+        assert ws.protocol.extensions == []
+        await start_session(ws, sampling=SHORT)
+        await speak(ws, "Plain audio frames.")
+        heard = (await listen(ws, 1))[1]
+    assert len(heard.audio) == heard.done["metrics"]["frames"] * FRAME * 2 > 0
+
+
 async def test_cancel_stops_the_utterance_promptly_and_the_session_goes_on(
     server: RunningServer, server_engine: Engine  # noqa: F811
 ) -> None:

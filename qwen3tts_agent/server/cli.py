@@ -183,6 +183,9 @@ def uvicorn_options(config: ServerConfig, **overrides: object) -> dict[str, obje
         # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
         # the app answers with a readable error. Both close with 1009.
         ws_max_size=2 * config.max_message_bytes,
+        # No permessage-deflate, which clients (browsers, the `websockets` library) offer by default: zlib over
+        # PCM saves little and cost an API worker about half its event loop under load (docs/server.md).
+        ws_per_message_deflate=False,
         http=http_protocol,  # httptools and websockets-sansio, with read, send and close deadlines
         ws=ws_protocol,
         timeout_keep_alive=config.keep_alive_timeout_s,
