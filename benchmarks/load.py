@@ -51,6 +51,7 @@ TEXT = (
 )
 SAMPLE_RATE = 24_000
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
+BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
 
 
 @dataclass
@@ -198,12 +199,16 @@ async def _run_requests(plan: ClientPlan, request) -> list[Record]:  # noqa: ANN
 
 
 async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: ANN001
-    """One of the streams held at once: a new request as soon as the last one ended (starts spread by `offset`)."""
+    """One of the streams held at once: a new request as soon as the last one ended (starts spread by `offset`),
+    or `BUSY_RETRY_S` after a refusal, as a client told to "retry shortly" would (a retry at once would turn
+    each refusal into a storm of them)."""
     await asyncio.sleep(max(0.0, plan.start_at + offset - time.monotonic()))
     while time.monotonic() < plan.start_at + plan.duration:
         record = Record(started=time.monotonic(), transport=plan.transport)
         plan.records.append(record)
         await _guarded(request, plan, record)
+        if record.error is not None and "busy" in record.error:
+            await asyncio.sleep(BUSY_RETRY_S)
 
 
 async def _guarded(request, plan: ClientPlan, record: Record) -> None:  # noqa: ANN001

@@ -4,8 +4,8 @@
 rate's measured window opens (raw collapsed stacks, every thread, idle frames included, so a thread that
 waits shows where it waits), and puts a summary of each into the report: per thread, the share of its
 samples in each function at the top of the stack (self) and anywhere on it (inclusive). The raw files stay
-beside the report for flame graphs. The engine core is told apart from the API workers by what it maps:
-it is the one process of the tree that loads torch.
+beside the report for flame graphs. The engine core is told apart from the API workers by its size: it is
+the process of the tree that holds the model.
 """
 
 from __future__ import annotations
@@ -26,18 +26,17 @@ _LINE_NUMBER = re.compile(r":\d+\)$")
 
 def serve_processes(server_pid: int) -> dict[str, int]:
     """Name -> pid of the server's processes: "core", "serve" (the supervisor, which runs the app itself
-    when there is one API worker) and "worker-N"."""
+    when there is one API worker) and "worker-N". The engine core is the largest child: it holds the model
+    (what it maps does not tell it apart: an API worker may map a library from torch's folder)."""
     root = psutil.Process(server_pid)
+    children = [c for c in root.children(recursive=True) if "resource_tracker" not in " ".join(c.cmdline())]
     named = {"serve": root.pid}
-    workers = 0
-    for child in root.children(recursive=True):
-        if "resource_tracker" in " ".join(child.cmdline()):
-            continue
-        if any("torch" in region.path for region in child.memory_maps()):
-            named["core"] = child.pid
-        else:
-            workers += 1
-            named[f"worker-{workers}"] = child.pid
+    if not children:
+        return named
+    core = max(children, key=lambda child: child.memory_info().rss)
+    named["core"] = core.pid
+    workers = [child for child in children if child.pid != core.pid]
+    named.update({f"worker-{i}": child.pid for i, child in enumerate(workers, 1)})
     return named
 
 

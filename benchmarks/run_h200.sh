@@ -18,7 +18,9 @@
 # TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat; TURN_MODELS,
 # TURN_ARGS and TURN_TAG override the models, add options and suffix the report's name), prefix-ab (one
 # stream, first audio with the voice-prefix cache off, on, and on with the staged prefill, 0.6B and 1.7B),
-# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py),
+# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py;
+# STARTUP_CASES picks them, `profiled` adds a warm start sampled by py-spy from .whl/tools, STARTUP_CACHE_ROOT
+# keeps each case's caches there),
 # ray-install (Ray Serve from .whl/ray into .ray-site/: a call of its own that carries .whl/ray only, see
 # benchmarks/fetch_ray_wheels.sh) and ray-2gpu (on nvidia-h200-x2, in a later call to the same warm machine:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
@@ -150,8 +152,14 @@ for stage in "$@"; do
     startup)
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       checkpoint synthetic:0.6b > /dev/null
-      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 --cases ${STARTUP_CASES:-cold,warm,prepared} \
-        --out "$out/startup.json" 2>&1 | tee "$out/startup.log" ;;
+      cases=${STARTUP_CASES:-cold,warm,prepared}
+      if [[ $cases == *profiled* ]]; then
+        [ -x /tmp/py-spy/bin/py-spy ] || $install --target /tmp/py-spy .whl/tools/py_spy-*.whl || exit 1
+      fi
+      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 --cases "$cases" \
+        --py-spy /tmp/py-spy/bin/py-spy ${STARTUP_CACHE_ROOT:+--cache-root "$STARTUP_CACHE_ROOT"} \
+        --out "$out/startup.json" 2>&1 | tee "$out/startup.log"
+      if [ -f "$out/startup/profiled.raw" ]; then gzip "$out/startup/profiled.raw"; fi ;;
     ray-2gpu)
       [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1

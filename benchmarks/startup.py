@@ -9,18 +9,22 @@ it. The three cases differ only in the disk caches of what a start compiles: Tri
 - cold: the caches start empty (a fresh container);
 - warm: a second start on the same caches (a restart on the same machine);
 - prepared: `qwen3tts-agent prepare` ran first on empty caches (an image built with the kernels baked in),
-  then `serve` starts.
+  then `serve` starts;
+- profiled: another warm start, sampled by py-spy (`--py-spy`) across the server's process tree, so that the
+  report says where the engine core's start goes, function by function (the raw stacks stay beside it).
 
 The report gives the seconds to ready of each start and the core's own split (weights, warm-up) from its
 log; each start's whole log is kept beside the report (`startup.json` -> `startup/cold.log`, ...). CUDA graphs are captured at every start: they belong to a process.
 
     python -m benchmarks.startup --model synthetic:0.6b --max-streams 256 --out startup.json
     python -m benchmarks.startup --cases cold,warm ...      # without the prepared case
+    python -m benchmarks.startup --cases cold,warm,profiled --py-spy /path/to/py-spy ...
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -39,6 +43,11 @@ CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: imports and weigh
 # the warm-up's parts, as the core logs them: each graph family's capture, then the warm-up utterance
 CAPTURED = re.compile(r"captured (\d+) ([a-z -]+?) graphs in ([\d.]+) s")
 WARMUP_UTTERANCE = re.compile(r"warm-up utterance: voice ([\d.]+) s, \d+ frames ([\d.]+) s")
+PROFILE_RATE_HZ = 100
+PROFILE_TOP = 60
+_LINE_NUMBER = re.compile(r":\d+\)$")
+_PROCESS = re.compile(r'process (\d+):"[^"]*";')
+_PROCESSES = re.compile(r'(?:process \d+:"[^"]*";)+')
 
 
 def _cli(*args: str) -> list[str]:
@@ -53,13 +62,23 @@ def _tail(log_path: Path, lines: int = 30) -> str:
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path) -> dict[str, Any]:
-    """Launch `serve`, wait for `/ready`, stop it: seconds from launch to ready, and the core's split."""
+def start_to_ready(
+    args: argparse.Namespace, env: dict[str, str], log_path: Path, profile: Path | None = None
+) -> dict[str, Any]:
+    """Launch `serve`, wait for `/ready`, stop it: seconds from launch to ready, and the core's split. With
+    `profile`, py-spy samples the whole process tree from launch to ready into that raw file."""
     port = free_port()
     command = _cli("serve", *_model_args(args), "--port", str(port), "--log-level", "info")
     started = time.perf_counter()
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        sampler = None
+        if profile is not None:
+            sampler = subprocess.Popen(
+                [args.py_spy, "record", "--subprocesses", "--idle", "--threads", "--nonblocking", "--format", "raw",
+                 "--rate", str(PROFILE_RATE_HZ), "--pid", str(server.pid), "--output", str(profile)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
         try:
             deadline = time.monotonic() + args.timeout
             while True:
@@ -75,6 +94,9 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
                     pass
                 time.sleep(0.1)
             ready_s = time.perf_counter() - started
+            if sampler is not None:
+                sampler.send_signal(signal.SIGINT)  # py-spy writes what it has sampled and exits
+                sampler.wait(60)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             try:
@@ -82,7 +104,10 @@ def start_to_ready(args: argparse.Namespace, env: dict[str, str], log_path: Path
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    return {"ready_s": ready_s, "core": core_split(log_path.read_text(errors="replace"))}
+    result: dict[str, Any] = {"ready_s": ready_s, "core": core_split(log_path.read_text(errors="replace"))}
+    if profile is not None and profile.exists():
+        result["core_profile"] = core_profile(profile.read_text(errors="replace").splitlines())
+    return result
 
 
 def core_split(log: str) -> dict[str, Any] | None:
@@ -99,24 +124,60 @@ def core_split(log: str) -> dict[str, Any] | None:
     return core
 
 
+def core_profile(lines: list[str], top: int = PROFILE_TOP) -> dict[str, Any]:
+    """The engine core's main thread in a `py-spy record --subprocesses` raw profile: its seconds sampled,
+    and the functions holding the most of them anywhere on the stack (inclusive) and at its top (self). A
+    raw line is `process A;process B;...;thread (tid): name;frame;... count`, the last process the sampled
+    one; the core is the process whose stacks pass through `core_main`."""
+    stacks: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        processes = _PROCESSES.match(stack)  # a command line may hold ";": taken whole, quotes and all
+        if processes is None:
+            continue
+        thread, *frames = stack[processes.end():].split(";")
+        if thread.endswith(": MainThread"):
+            stacks[_PROCESS.findall(processes.group())[-1]].append(
+                ([_LINE_NUMBER.sub(")", frame) for frame in frames], int(count))
+            )
+    core = next((s for s in stacks.values() if any("core_main" in f for frames, _ in s for f in frames)), None)
+    if core is None:
+        return {"error": "no process of the tree ran core_main"}
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    for frames, n in core:
+        own[frames[-1] if frames else "(idle)"] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+
+    def seconds(counter: collections.Counter[str]) -> list[list[Any]]:
+        return [[frame, round(n / PROFILE_RATE_HZ, 2)] for frame, n in counter.most_common(top)]
+
+    total = sum(n for _, n in core)
+    return {"main_thread_s": round(total / PROFILE_RATE_HZ, 2), "inclusive_s": seconds(inclusive), "self_s": seconds(own)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"model": args.model, "device": args.device, "max_streams": args.max_streams, "starts": {}}
     logs = args.out.with_suffix("")  # each start's log: next to the report, kept
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
-        root = Path(scratch)
+        root = Path(scratch) if args.cache_root is None else args.cache_root
 
         def env_with_cache(name: str) -> dict[str, str]:
             cache = root / name
-            cache.mkdir()
+            cache.mkdir(parents=True)
             return {**os.environ, "TRITON_CACHE_DIR": str(cache / "triton"),
                     "QWEN3TTS_AGENT_BYTECODE_CACHE": str(cache / "bytecode")}
 
         cold = env_with_cache("cold")
-        for case, env in (("cold", cold), ("warm", cold)):
+        for case, env in (("cold", cold), ("warm", cold), ("profiled", cold)):
             if case not in args.cases:
                 continue
-            report["starts"][case] = start_to_ready(args, env, logs / f"{case}.log")
+            profile = logs / "profiled.raw" if case == "profiled" else None
+            report["starts"][case] = start_to_ready(args, env, logs / f"{case}.log", profile)
             print(f"{case}: ready in {report['starts'][case]['ready_s']:.1f} s (core: {report['starts'][case]['core']})",
                   flush=True)
         if "prepared" not in args.cases:
@@ -138,12 +199,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-streams", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
     parser.add_argument("--cases", type=lambda s: s.split(","), default=["cold", "warm", "prepared"],
-                        help="which starts to run, of cold,warm,prepared (warm follows cold, on its caches)")
+                        help="which starts to run, of cold,warm,profiled,prepared (warm and profiled follow cold, "
+                        "on its caches)")
+    parser.add_argument("--py-spy", default="py-spy", help="py-spy, for the profiled case")
+    parser.add_argument("--cache-root", type=Path,
+                        help="where each case's caches go, kept (default: a temporary folder, removed); it must not "
+                        "hold them already: the cold case starts empty")
     parser.add_argument("--out", type=Path, default=Path("startup.json"))
     args = parser.parse_args(argv)
-    unknown = set(args.cases) - {"cold", "warm", "prepared"}
+    unknown = set(args.cases) - {"cold", "warm", "profiled", "prepared"}
     if unknown:
-        parser.error(f"unknown cases: {', '.join(sorted(unknown))} (of cold, warm, prepared)")
+        parser.error(f"unknown cases: {', '.join(sorted(unknown))} (of cold, warm, profiled, prepared)")
     report = run(args)
     args.out.write_text(json.dumps(report, indent=2))
     return report
