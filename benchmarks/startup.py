@@ -98,6 +98,9 @@ def start_to_ready(
                 sampler.send_signal(signal.SIGINT)  # py-spy writes what it has sampled and exits
                 sampler.wait(60)
         finally:
+            if sampler is not None and sampler.poll() is None:  # the start failed before ready
+                sampler.kill()
+                sampler.wait()
             os.killpg(server.pid, signal.SIGTERM)
             try:
                 server.wait(60)
