@@ -85,7 +85,7 @@ def _serve(conn: Connection, options: Options) -> None:
 
     from qwen3tts_agent import Engine
     from qwen3tts_agent.server import ServerConfig, create_app
-    from qwen3tts_agent.server.cli import uvicorn_config
+    from qwen3tts_agent.server.connections import uvicorn_config
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     engine = Engine.load(options.model, device=options.device, progress=False, max_streams=options.max_streams)

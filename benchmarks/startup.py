@@ -11,7 +11,8 @@ it. The three cases differ only in the disk caches of what a start compiles: Tri
 - prepared: `qwen3tts-agent prepare` ran first on empty caches (an image built with the kernels baked in),
   then `serve` starts;
 - profiled: another warm start, sampled by py-spy (`--py-spy`) across the server's process tree, so that the
-  report says where the engine core's start goes, function by function (the raw stacks stay beside it).
+  report says where the engine core's start goes, function by function, on its main thread (imports,
+  weights) and its engine thread (graph capture, the warm-up utterance); the raw stacks stay beside it.
 
 The report gives the seconds to ready of each start and the core's own split (weights, warm-up) from its
 log; each start's whole log is kept beside the report (`startup.json` -> `startup/cold.log`, ...). CUDA graphs are captured at every start: they belong to a process.
@@ -41,10 +42,13 @@ from benchmarks.load import free_port
 
 CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: imports and weights ([\d.]+) s, warm-up ([\d.]+) s")
 # the warm-up's parts, as the core logs them: each graph family's capture, then the warm-up utterance
-CAPTURED = re.compile(r"captured (\d+) ([a-z -]+?) graphs in ([\d.]+) s")
+# (the count of eager runs is logged since 2026-12-03)
+CAPTURED = re.compile(r"captured (\d+) ([a-z -]+?) graphs in ([\d.]+) s(?: \((\d+) eager runs\))?")
 WARMUP_UTTERANCE = re.compile(r"warm-up utterance: voice ([\d.]+) s, \d+ frames ([\d.]+) s")
 PROFILE_RATE_HZ = 100
 PROFILE_TOP = 60
+ENGINE_THREAD = "qwen3tts-engine"  # the core's thread that captures the graphs and runs the warm-up utterance
+PROFILED_THREADS = ("MainThread", ENGINE_THREAD)
 _LINE_NUMBER = re.compile(r":\d+\)$")
 _PROCESS = re.compile(r'process (\d+):"[^"]*";')
 _PROCESSES = re.compile(r'(?:process \d+:"[^"]*";)+')
@@ -120,7 +124,10 @@ def core_split(log: str) -> dict[str, Any] | None:
     if found is None:
         return None
     core: dict[str, Any] = dict(zip(("total_s", "weights_s", "warmup_s"), map(float, found.groups()), strict=True))
-    core["graphs"] = {kind: {"count": int(n), "s": float(s)} for n, kind, s in CAPTURED.findall(log)}
+    core["graphs"] = {
+        kind: {"count": int(n), "s": float(s), **({"eager_runs": int(eager)} if eager else {})}
+        for n, kind, s, eager in CAPTURED.findall(log)
+    }
     utterance = WARMUP_UTTERANCE.search(log)
     if utterance is not None:
         core["warmup_voice_s"], core["warmup_utterance_s"] = map(float, utterance.groups())
@@ -128,11 +135,12 @@ def core_split(log: str) -> dict[str, Any] | None:
 
 
 def core_profile(lines: list[str], top: int = PROFILE_TOP) -> dict[str, Any]:
-    """The engine core's main thread in a `py-spy record --subprocesses` raw profile: its seconds sampled,
-    and the functions holding the most of them anywhere on the stack (inclusive) and at its top (self). A
-    raw line is `process A;process B;...;thread (tid): name;frame;... count`, the last process the sampled
-    one; the core is the process whose stacks pass through `core_main`."""
-    stacks: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
+    """The engine core's main thread and engine thread (which captures the graphs and runs the warm-up) in a
+    `py-spy record --subprocesses` raw profile: each one's seconds sampled, and the functions holding the most
+    of them anywhere on the stack (inclusive) and at its top (self). A raw line is `process A;process
+    B;...;thread (tid): name;frame;... count`, the last process the sampled one; the core is the process
+    whose stacks pass through `core_main`."""
+    stacks: dict[tuple[str, str], list[tuple[list[str], int]]] = collections.defaultdict(list)
     for line in lines:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -141,16 +149,24 @@ def core_profile(lines: list[str], top: int = PROFILE_TOP) -> dict[str, Any]:
         if processes is None:
             continue
         thread, *frames = stack[processes.end():].split(";")
-        if thread.endswith(": MainThread"):
-            stacks[_PROCESS.findall(processes.group())[-1]].append(
+        name = thread.rpartition(": ")[2]
+        if name in PROFILED_THREADS:
+            stacks[(_PROCESS.findall(processes.group())[-1], name)].append(
                 ([_LINE_NUMBER.sub(")", frame) for frame in frames], int(count))
             )
-    core = next((s for s in stacks.values() if any("core_main" in f for frames, _ in s for f in frames)), None)
+    core = next((pid for (pid, name), s in stacks.items()
+                 if name == "MainThread" and any("core_main" in f for frames, _ in s for f in frames)), None)
     if core is None:
         return {"error": "no process of the tree ran core_main"}
+    main = _thread_profile(stacks[(core, "MainThread")], top)
+    engine = _thread_profile(stacks.get((core, ENGINE_THREAD), []), top)
+    return {"main_thread_s": main.pop("sampled_s"), **main, "engine_thread": engine}
+
+
+def _thread_profile(samples: list[tuple[list[str], int]], top: int) -> dict[str, Any]:
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
-    for frames, n in core:
+    for frames, n in samples:
         own[frames[-1] if frames else "(idle)"] += n
         for frame in set(frames):
             inclusive[frame] += n
@@ -158,8 +174,8 @@ def core_profile(lines: list[str], top: int = PROFILE_TOP) -> dict[str, Any]:
     def seconds(counter: collections.Counter[str]) -> list[list[Any]]:
         return [[frame, round(n / PROFILE_RATE_HZ, 2)] for frame, n in counter.most_common(top)]
 
-    total = sum(n for _, n in core)
-    return {"main_thread_s": round(total / PROFILE_RATE_HZ, 2), "inclusive_s": seconds(inclusive), "self_s": seconds(own)}
+    total = sum(n for _, n in samples)
+    return {"sampled_s": round(total / PROFILE_RATE_HZ, 2), "inclusive_s": seconds(inclusive), "self_s": seconds(own)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,13 +185,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch) if args.cache_root is None else args.cache_root
 
-        def env_with_cache(name: str) -> dict[str, str]:
+        def env_with_cache(name: str, existing: bool = False) -> dict[str, str]:
             cache = root / name
-            cache.mkdir(parents=True)
+            if existing and not cache.is_dir():
+                raise SystemExit(f"no caches of an earlier cold start in {cache}: run the cold case first")
+            cache.mkdir(parents=True, exist_ok=existing)
             return {**os.environ, "TRITON_CACHE_DIR": str(cache / "triton"),
                     "QWEN3TTS_AGENT_BYTECODE_CACHE": str(cache / "bytecode")}
 
-        cold = env_with_cache("cold")
+        # without the cold case, the warm starts take the caches an earlier run's cold start left in --cache-root
+        cold = env_with_cache("cold", existing="cold" not in args.cases and any(c in args.cases for c in ("warm", "profiled")))
         for case, env in (("cold", cold), ("warm", cold), ("profiled", cold)):
             if case not in args.cases:
                 continue
@@ -203,11 +222,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
     parser.add_argument("--cases", type=lambda s: s.split(","), default=["cold", "warm", "prepared"],
                         help="which starts to run, of cold,warm,profiled,prepared (warm and profiled follow cold, "
-                        "on its caches)")
+                        "on its caches; without cold, on the caches of an earlier run's cold start in --cache-root)")
     parser.add_argument("--py-spy", default="py-spy", help="py-spy, for the profiled case")
     parser.add_argument("--cache-root", type=Path,
                         help="where each case's caches go, kept (default: a temporary folder, removed); it must not "
-                        "hold them already: the cold case starts empty")
+                        "hold them already when the cold case runs: that one starts empty")
     parser.add_argument("--out", type=Path, default=Path("startup.json"))
     args = parser.parse_args(argv)
     unknown = set(args.cases) - {"cold", "warm", "profiled", "prepared"}

@@ -299,7 +299,7 @@ class InProcessServer:
         import uvicorn
 
         from qwen3tts_agent.server import ServerConfig, create_app
-        from qwen3tts_agent.server.cli import uvicorn_config
+        from qwen3tts_agent.server.connections import uvicorn_config
 
         self._voices_dir = tempfile.TemporaryDirectory(prefix="turn-latency-voices-")
         config = ServerConfig(model_name=model, voices_dir=Path(self._voices_dir.name), warmup=False, max_frames=2047)

@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from qwen3tts_agent import Engine
 from qwen3tts_agent.server import ServerConfig, create_app
-from qwen3tts_agent.server.cli import uvicorn_config
+from qwen3tts_agent.server.connections import uvicorn_config
 
 ENGINE_SPEC = "synthetic:tiny"
 API_KEY = "test-secret-key"

@@ -79,3 +79,13 @@ def test_serve_gives_a_gpu_engine_an_api_worker_per_four_cores(monkeypatch: pyte
             api_workers(bad, engine_core=core, device="cuda")
     with pytest.raises(ValueError):
         api_workers("many", engine_core="process", device="cuda")
+
+
+def test_serve_without_the_server_extra_says_how_to_install_it() -> None:
+    """The CLI looks the server's packages up without importing them (`serve` imports them after starting
+    its engine core); one missing still gets the install hint, not a traceback."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"  # as if not installed
+            "from qwen3tts_agent.cli import main; raise SystemExit(main(['serve', '--model', 'synthetic:tiny']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "No module named 'fastapi'" in result.stderr and 'pip install "qwen3tts-agent[server]"' in result.stderr

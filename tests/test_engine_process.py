@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
+from qwen3tts_agent.engine import ipc
 from qwen3tts_agent.engine.client import EngineClient
 from qwen3tts_agent.engine.process import CoreLaunch, EngineProcess
 from qwen3tts_agent.errors import (
@@ -142,3 +144,33 @@ def test_connect_waits_for_a_core_until_told_to_give_up(tmp_path) -> None:
     assert len(asked) == 2 and time.monotonic() - started < 5
     with pytest.raises(EngineNotReadyError, match="within 0.3 s"):
         EngineClient.connect(address, timeout=0.3)
+
+
+def _welcomes(dealer: zmq.Socket, seconds: float) -> int:
+    """How many welcomes `dealer` receives within `seconds` (other messages, e.g. stats, are skipped)."""
+    count, deadline = 0, time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if dealer.poll(int(left * 1000)):
+            count += dealer.recv_multipart()[0] == ipc.WELCOME
+    return count
+
+
+def test_a_burst_of_hellos_gets_one_welcome_and_a_later_hello_another(core: EngineProcess) -> None:
+    """ZeroMQ queues a client's hellos while the core starts, and they arrive together: each welcome carries
+    the tokenizer (megabytes), so the burst is answered once. A hello after the burst is answered again:
+    a client that lost the core must be able to come back."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"burst-test")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(core.address)
+    try:
+        for _ in range(20):
+            dealer.send_multipart([ipc.HELLO])
+        assert _welcomes(dealer, 1.0) == 1
+        dealer.send_multipart([ipc.HELLO])
+        assert _welcomes(dealer, 1.0) == 1
+        dealer.send_multipart([ipc.BYE])
+    finally:
+        dealer.close()
+        context.term()

@@ -328,3 +328,28 @@ def test_official_import_is_quiet_without_sox_or_flash_attn(tmp_path: Path) -> N
     quiet = run("from qwen3tts_agent.models import import_qwen_tts; import_qwen_tts(); print('imported')")
     assert quiet.returncode == 0, quiet.stderr
     assert (quiet.stdout, quiet.stderr) == ("imported\n", "")
+
+
+def test_the_engine_core_loads_a_model_without_importing_scikit_learn() -> None:
+    """transformers imports scikit-learn with its generation code, for assisted generation only; the engine
+    core tells it not to. The model still loads and generates through the official classes."""
+    code = (
+        "import sys\n"
+        "from qwen3tts_agent.models import compat, load_official_model\n"
+        "{switch}"
+        "model = load_official_model('synthetic:tiny', device='cpu', progress=False)\n"
+        "wavs, _ = model.generate_voice_clone('Hi.', ref_audio=(__import__('numpy').zeros(24000, 'float32') + 0.1, 24000),\n"
+        "                                     x_vector_only_mode=True, max_new_tokens=3)\n"
+        "assert wavs[0].size > 0\n"
+        "print('sklearn' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+
+    def sklearn_imported(switch: str) -> bool:
+        result = subprocess.run([sys.executable, "-c", code.format(switch=switch)], env={**os.environ, "PYTHONPATH": str(root)},
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.strip().splitlines()[-1] == "True"
+
+    assert sklearn_imported("")  # as transformers does by default, with scikit-learn installed
+    assert not sklearn_imported("compat.transformers_without_scikit_learn()\n")

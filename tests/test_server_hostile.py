@@ -21,8 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from qwen3tts_agent import Engine
 from qwen3tts_agent.server import protocol
-from qwen3tts_agent.server.cli import uvicorn_config
-from qwen3tts_agent.server.connections import BoundedWebSocketProtocol
+from qwen3tts_agent.server.connections import BoundedWebSocketProtocol, uvicorn_config
 from qwen3tts_agent.server.protocol import ERROR_STATUS
 from tests.server_fixtures import (
     API_KEY,

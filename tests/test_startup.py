@@ -61,6 +61,9 @@ def test_the_core_profile_takes_the_core_process_main_thread_whatever_its_comman
         "run_core (process.py)": 4.0, "core_main (core_server.py)": 4.0, "load (engine.py)": 3.0, "wait (threading.py)": 1.0,
     }
     assert profile["self_s"] == [["load (engine.py)", 3.0], ["wait (threading.py)", 1.0]]
+    assert profile["engine_thread"] == {
+        "sampled_s": 5.0, "inclusive_s": [["capture (cuda_graphs.py)", 5.0]], "self_s": [["capture (cuda_graphs.py)", 5.0]],
+    }
     assert startup.core_profile(lines[3:]) == {"error": "no process of the tree ran core_main"}
 
 
@@ -83,3 +86,5 @@ def test_the_split_keeps_each_graph_family_apart() -> None:
         "codec": {"count": 36, "s": 4.4}, "early-lane codec": {"count": 10, "s": 0.4},
     }
     assert (core["total_s"], core["weights_s"], core["warmup_s"]) == (26.3, 13.3, 13.1)
+    later = startup.core_split(log.replace("captured 36 codec graphs in 4.4 s", "captured 36 codec graphs in 2.1 s (3 eager runs)"))
+    assert later is not None and later["graphs"]["codec"] == {"count": 36, "s": 2.1, "eager_runs": 3}

@@ -43,7 +43,7 @@ from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline, cpu_thread_split
 from .core_config import CoreConfig, CoreStats
-from .cuda_graphs import GraphedFrameStep, power_of_two_buckets
+from .cuda_graphs import GraphedFrameStep, capture_beside, power_of_two_buckets
 from .lanes import LanePriorities
 from .launcher import StepLauncher
 from .messages import (
@@ -163,11 +163,15 @@ class EngineCore:
         self.stats.codec_chunks += chunks
 
     def capture_graphs(self, progress: bool) -> None:
-        """Capture every CUDA graph (frame, prefill, staged prefill, both codec lanes); on the core's thread."""
-        if self.steps.graphs is not None:
-            self.steps.graphs.capture(progress=progress)
-        self.prefills.capture(progress)
-        self.audio.capture(progress)
+        """Capture every CUDA graph: frame, prefill and staged prefill on the core's thread, both codec lanes'
+        beside them on a helper thread (`capture_beside`; their progress goes to the log only)."""
+
+        def steps_and_prompts() -> None:
+            if self.steps.graphs is not None:
+                self.steps.graphs.capture(progress=progress)
+            self.prefills.capture(progress)
+
+        capture_beside(self.device, steps_and_prompts, lambda: self.audio.capture(progress=False))
 
     @property
     def graphs_captured(self) -> bool:

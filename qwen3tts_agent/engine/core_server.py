@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from ..errors import EngineDeadError
+from ..models.compat import transformers_without_scikit_learn
 from . import ipc
 from .engine import Engine
 from .messages import AbortRequest, AddRequest, ChunkOutput, FinishOutput
@@ -33,6 +34,10 @@ from .process import GIL_SWITCH_INTERVAL_S, CoreLaunch
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+# A client says hello every HELLO_INTERVAL_S until welcomed, and ZeroMQ queues those hellos while the core
+# is still starting: they all arrive once it binds. One welcome (the tokenizer's megabytes) per client per
+# this interval answers the burst; a client that lost the core and says hello again later is welcomed again.
+WELCOME_INTERVAL_S = 0.25
 CLIENT_SILENCE_S = 5.0  # a client not heard from for this long is gone: its requests are aborted
 EXIT_CORE_DIED = 70
 PARENT_POLL_S = 0.5  # how often the core checks that its supervisor is alive
@@ -81,6 +86,8 @@ class CoreServer:
         self._local = threading.local()
         self._owners: dict[str, bytes] = {}  # core request id -> client identity
         self._clients: dict[bytes, float] = {}  # identity -> last heard (monotonic)
+        self._welcomed: dict[bytes, float] = {}  # identity -> last welcomed (monotonic; the I/O thread's)
+        self._welcome = pickle.dumps(self._handshake())  # the same for every client of this core
         self._lock = threading.Lock()
         self._voices = ThreadPoolExecutor(1, thread_name_prefix="qwen3tts-voices")
         self._stopping = threading.Event()
@@ -163,7 +170,10 @@ class CoreServer:
         with self._lock:
             self._clients[identity] = time.monotonic()
         if kind == ipc.HELLO:
-            router.send_multipart([identity, ipc.WELCOME, pickle.dumps(self._handshake())])
+            now = time.monotonic()
+            if now - self._welcomed.get(identity, -WELCOME_INTERVAL_S) >= WELCOME_INTERVAL_S:
+                self._welcomed[identity] = now
+                router.send_multipart([identity, ipc.WELCOME, self._welcome])
         elif kind in (ipc.ADD, ipc.TEXT, ipc.CLOSE, ipc.ABORT):
             message = ipc.decode_request(kind, rest[0])
             core_id = f"{identity.hex()}:{message.request_id}"
@@ -204,6 +214,7 @@ class CoreServer:
                 router.send_multipart([identity, ipc.STATS, stats])
 
     def _forget(self, identity: bytes) -> None:
+        self._welcomed.pop(identity, None)
         with self._lock:
             self._clients.pop(identity, None)
             mine = [rid for rid, owner in self._owners.items() if owner == identity]
@@ -233,6 +244,7 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
     for name, value in FRAMEWORKS_OFF.items():
         os.environ.setdefault(name, value)
+    transformers_without_scikit_learn()  # after the switches above: transformers reads them at its import
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()

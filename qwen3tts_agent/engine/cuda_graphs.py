@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -62,33 +63,87 @@ def split_frames(t: int, sizes: Sequence[int]) -> list[int]:
     return pieces if t == 0 else []
 
 
+def capture_beside(device: torch.device, first: Callable[[], None], beside: Callable[[], None]) -> None:
+    """Run two sets of captures at once: `first` on this thread, `beside` on a helper thread.
+
+    The codec graphs' capture time is mostly cuDNN choosing a plan for each convolution at each new shape,
+    native work that leaves the interpreter lock free; the frame and prompt graphs' is mostly Python
+    launching kernels. Side by side, the one hides most of the other (docs/performance.md, "Start-up: a
+    warm `serve` ready in 15 s"). Each family has its own capture stream and memory pool and captures
+    thread-locally (`GraphCapture`); the attention backends, a process-wide setting, are held for both. On
+    a CPU (no graphs) the two run in turn.
+    """
+    if device.type != "cuda":
+        first()
+        beside()
+        return
+
+    def on_helper() -> None:
+        with torch.cuda.device(device):
+            beside()
+
+    with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS), ThreadPoolExecutor(1, thread_name_prefix="qwen3tts-capture") as helper:
+        done = helper.submit(on_helper)
+        first()  # should it raise, leaving the block still waits for the helper
+        done.result()
+
+
 class GraphCapture:
     """What every family of graphs here shares when capturing: a memory pool (from its first graph) and a
     capture stream of its own (its own cuBLAS workspace, see the module docstring).
 
-    `capture(fn)` runs `fn` once eagerly on a side stream (the allocator and the libraries settle their
-    choices for the shape outside the capture), then captures it; `fn`'s result is the graph's static output.
-    `eager=False` leaves the eager run out, for a caller that knows an earlier one settled everything `fn`
-    launches (`GraphedFrameStep`).
+    `capture(fn)` runs `fn` once eagerly on a side stream, so that what a first call sets up (a kernel's
+    module loaded, a library's handle or per-shape plan) happens outside the capture, then captures it;
+    `fn`'s result is the graph's static output. Only a family's first graph needs that eager run as a rule:
+    the later ones launch the same operations at other shapes, and an eager run doubles the host's time
+    per graph (a start's warm-up is mostly that host time). So `eager=False` captures at once, and where
+    that capture fails (something set itself up inside it, which a capture forbids: it fails, it does not
+    replay wrongly), runs `fn` eagerly and captures again. `eager_runs` counts the eager runs.
     """
 
     def __init__(self) -> None:
         self._pool: Any = None
         self._stream = torch.cuda.Stream()
         self._side: torch.cuda.Stream | None = None
+        self.eager_runs = 0
 
     def capture(self, fn: Callable[[], T], eager: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
+        with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS):
+            if not eager:
+                try:
+                    return self._capture(fn)
+                except Exception as exc:  # noqa: BLE001 - retried below with the eager run
+                    logger.debug("a capture without an eager run failed (%s); running it eagerly first", exc)
+            self._run_eagerly(fn)
+            return self._capture(fn)
+
+    def finish(self) -> None:
+        """Wait for the eager runs (which wrote the static buffers the graphs replay on). Not a device-wide
+        synchronisation: another family may be capturing on another thread (`capture_beside`)."""
+        if self._side is not None:
+            self._side.synchronize()
+
+    def _run_eagerly(self, fn: Callable[[], object]) -> None:
         if self._side is None:
             self._side = torch.cuda.Stream()
-        with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS):
-            if eager:
-                self._side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(self._side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            fn()
+        torch.cuda.current_stream().wait_stream(self._side)
+        self.eager_runs += 1
+
+    def _capture(self, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        # `torch.cuda.graph` would also synchronise the device and empty the allocator's cache before each
+        # capture: the eager run's device time then stands in the host's way, its memory is handed back to
+        # the driver only to be taken again by the next one, and a device-wide synchronisation is not allowed
+        # while another thread captures. Thread-local: only this thread's own calls may break its capture.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
                 out = fn()
+            finally:
+                graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
         return graph, out
@@ -123,8 +178,9 @@ class GraphedFrameStep:
         loads its module and allocates its counters, which a capture forbids (the capture would fail, not
         replay wrongly). Triton compiles a variant per constexpr value and per integer argument's
         divisibility by 16; the kv length is an argument, so a batch bucket's variants are launched by its
-        first kv bucket, and again where the divisibility differs. With a stack on the PyTorch layers every
-        capture has its eager run.
+        first kv bucket, and again where the divisibility differs (a capture that fails without its eager
+        run gets one all the same: `GraphCapture`). With a stack on the PyTorch layers every capture has
+        its eager run.
         """
         started = time.perf_counter()
         runner = self.runner
@@ -139,10 +195,10 @@ class GraphedFrameStep:
                 functools.partial(runner.frame_step, b, kv), eager=not triton_only or variant not in launched
             )
             launched.add(variant)
-        torch.cuda.synchronize()
+        self._capture.finish()
         runner.active.copy_(saved_active)
         seconds = time.perf_counter() - started
-        logger.info("captured %d frame graphs in %.1f s", len(keys), seconds)
+        logger.info("captured %d frame graphs in %.1f s (%d eager runs)", len(keys), seconds, self._capture.eager_runs)
         return seconds
 
     @property
@@ -209,11 +265,12 @@ class GraphedPrefill:
         """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
         started = time.perf_counter()
         self._write_pos.fill_(self.runner.max_seq_len)
-        for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
-            inputs = self._inputs(b, t)
-            self._graphs[(b, t, k)] = self._capture.capture(functools.partial(self.runner.prefill_forward, *inputs, kv_len=k))
-        torch.cuda.synchronize()
-        logger.info("captured %d prefill graphs in %.1f s", len(self.keys), time.perf_counter() - started)
+        for i, (b, t, k) in enumerate(track(self.keys, desc="capturing prefill graphs", enabled=progress)):
+            forward = functools.partial(self.runner.prefill_forward, *self._inputs(b, t), kv_len=k)
+            self._graphs[(b, t, k)] = self._capture.capture(forward, eager=i == 0)
+        self._capture.finish()
+        logger.info("captured %d prefill graphs in %.1f s (%d eager runs)", len(self.keys),
+                    time.perf_counter() - started, self._capture.eager_runs)
 
     @property
     def captured(self) -> bool:
@@ -259,11 +316,12 @@ class GraphedStagedPrefill:
         """Capture every bucket with every row on the staging cache's padding column (no slot changes)."""
         started = time.perf_counter()
         keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
-        for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
+        for i, (b, k) in enumerate(track(keys, desc="capturing staged prefill graphs", enabled=progress)):
             forward = functools.partial(self.staging.forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
-            self._graphs[(b, k)] = self._capture.capture(forward)
-        torch.cuda.synchronize()
-        logger.info("captured %d staged prefill graphs in %.1f s", len(keys), time.perf_counter() - started)
+            self._graphs[(b, k)] = self._capture.capture(forward, eager=i == 0)
+        self._capture.finish()
+        logger.info("captured %d staged prefill graphs in %.1f s (%d eager runs)", len(keys),
+                    time.perf_counter() - started, self._capture.eager_runs)
 
     @property
     def captured(self) -> bool:
@@ -320,10 +378,12 @@ class GraphedCodecDecode:
     def capture(self, progress: bool = True) -> None:
         started = time.perf_counter()
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
-        for b, t in track(keys, desc=f"capturing {self.name} graphs", enabled=progress):
-            self._graphs[(b, t)] = self._capture.capture(functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t]))
-        torch.cuda.synchronize()
-        logger.info("captured %d %s graphs in %.1f s", len(keys), self.name, time.perf_counter() - started)
+        for i, (b, t) in enumerate(track(keys, desc=f"capturing {self.name} graphs", enabled=progress)):
+            decode = functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t])
+            self._graphs[(b, t)] = self._capture.capture(decode, eager=i == 0)
+        self._capture.finish()
+        logger.info("captured %d %s graphs in %.1f s (%d eager runs)", len(keys), self.name,
+                    time.perf_counter() - started, self._capture.eager_runs)
 
     @property
     def captured(self) -> bool:

@@ -56,6 +56,22 @@ def import_qwen_tts() -> ModuleType:
     return module
 
 
+def transformers_without_scikit_learn() -> None:
+    """Make transformers take scikit-learn as not installed, for a process that never generates with it.
+
+    transformers imports scikit-learn (and SciPy with it) at its generation code's import, when installed
+    (librosa brings it), for one function of assisted generation: seconds of every engine-core start
+    (docs/performance.md, "Start-up: a warm `serve` ready in 15 s"). It has no switch for that, as it has
+    for TensorFlow; without scikit-learn it skips that one adaptation. The engine-core process, which runs
+    nothing but the engine, calls this before its first import of transformers' models; with a transformers
+    that keeps no such flag, nothing changes.
+    """
+    from transformers.utils import import_utils
+
+    if hasattr(import_utils, "_sklearn_available"):
+        import_utils._sklearn_available = False
+
+
 class _DropSoxMissingNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(_SOX_MISSING_NOTICE)

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import uvicorn  # imported here so a missing [server] extra shows when the CLI registers `serve`
-
 from .config import ServerConfig, default_voices_dir
-from .connections import connection_protocols
 
 MAX_AUTO_WORKERS = 4
+# The [server] extra's packages, looked up (not imported) when the CLI registers `serve`, so a missing extra
+# shows there; they are imported once the engine core has been started (`launcher.serve`).
+SERVER_PACKAGES = ("uvicorn", "fastapi", "websockets")
+
+
+def _require_installed(packages: tuple[str, ...]) -> None:
+    missing = next((p for p in packages if importlib.util.find_spec(p) is None), None)
+    if missing is not None:
+        raise ImportError(f"No module named {missing!r}", name=missing)
+
+
+_require_installed(SERVER_PACKAGES)
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -141,9 +151,12 @@ def run_serve(args: argparse.Namespace) -> int:
             engine_kwargs=engine_kwargs, warmup=config.warmup,
             log_level=args.log_level,
         )
-        return serve(config, launch, workers=workers, uvicorn_options=uvicorn_options(config, log_level=args.log_level))
+        return serve(config, launch, workers=workers, log_level=args.log_level)
+    import uvicorn
+
     from ..engine.engine import Engine  # the engine core on a thread of this process
     from .app import create_app
+    from .connections import uvicorn_config
 
     app = create_app(config, engine_factory=lambda: Engine.load(
         args.model, device=args.device, dtype=args.dtype, **engine_kwargs
@@ -167,29 +180,3 @@ def api_workers(option: str, *, engine_core: str, device: str) -> int:
     if workers < 1 or (workers > 1 and engine_core == "thread"):
         raise ValueError("--workers must be at least 1, and above 1 only with --engine-core process")
     return workers
-
-
-def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
-    """The uvicorn settings the server relies on, shared by the CLI and the tests."""
-    return uvicorn.Config(app, **uvicorn_options(config, **overrides))  # type: ignore[arg-type]
-
-
-def uvicorn_options(config: ServerConfig, **overrides: object) -> dict[str, object]:
-    """The uvicorn settings as keyword arguments (the engine-core launcher builds its own Config)."""
-    http_protocol, ws_protocol = connection_protocols(config)
-    options: dict[str, object] = dict(
-        host=config.host,
-        port=config.port,
-        # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
-        # the app answers with a readable error. Both close with 1009.
-        ws_max_size=2 * config.max_message_bytes,
-        # No permessage-deflate, which clients (browsers, the `websockets` library) offer by default: zlib over
-        # PCM saves little and cost an API worker about half its event loop under load (docs/server.md).
-        ws_per_message_deflate=False,
-        http=http_protocol,  # httptools and websockets-sansio, with read, send and close deadlines
-        ws=ws_protocol,
-        timeout_keep_alive=config.keep_alive_timeout_s,
-        timeout_graceful_shutdown=5,
-    )
-    options.update(overrides)
-    return options

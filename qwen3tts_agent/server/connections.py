@@ -16,6 +16,8 @@ its memory outlive the request. These subclasses add exactly those bounds and no
 - Both: each connection queues a bounded amount before its sends wait for the client: the transport's write
   buffer holds `send_buffer_bytes`, and so does the kernel's socket buffer (SO_SNDBUF, which Linux doubles
   for bookkeeping), instead of growing by autotuning to megabytes (minutes of audio) per connection.
+
+`uvicorn_options` gives the uvicorn settings that install them, with the rest the server relies on.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -192,3 +195,29 @@ def connection_protocols(
 def _cancel(timer: asyncio.TimerHandle | None) -> None:
     if timer is not None:
         timer.cancel()
+
+
+def uvicorn_config(app: object, config: ServerConfig, **overrides: object) -> uvicorn.Config:
+    """The uvicorn settings the server relies on, shared by the CLI and the tests."""
+    return uvicorn.Config(app, **uvicorn_options(config, **overrides))  # type: ignore[arg-type]
+
+
+def uvicorn_options(config: ServerConfig, **overrides: object) -> dict[str, object]:
+    """The uvicorn settings as keyword arguments (the engine-core launcher builds its own Config)."""
+    http_protocol, ws_protocol = connection_protocols(config)
+    options: dict[str, object] = dict(
+        host=config.host,
+        port=config.port,
+        # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
+        # the app answers with a readable error. Both close with 1009.
+        ws_max_size=2 * config.max_message_bytes,
+        # No permessage-deflate, which clients (browsers, the `websockets` library) offer by default: zlib over
+        # PCM saves little and cost an API worker about half its event loop under load (docs/server.md).
+        ws_per_message_deflate=False,
+        http=http_protocol,  # httptools and websockets-sansio, with read, send and close deadlines
+        ws=ws_protocol,
+        timeout_keep_alive=config.keep_alive_timeout_s,
+        timeout_graceful_shutdown=5,
+    )
+    options.update(overrides)
+    return options

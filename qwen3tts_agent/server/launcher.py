@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -78,29 +80,56 @@ def worker_app() -> Any:
     )
 
 
-def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_options: dict[str, Any]) -> int:
-    """Run the engine core and the API workers until interrupted; 1 if the core failed to start."""
-    import uvicorn
-    from uvicorn.supervisors import Multiprocess
+def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, log_level: str) -> int:
+    """Run the engine core and the API workers until interrupted; 1 if the core failed to start.
 
+    The core is started first: its imports, weights and warm-up (the whole of the time to ready) then run
+    while this process loads the web stack and starts the workers."""
     failures: list[str] = []
     failure_file = _core_failure_file()
     failure_file.unlink(missing_ok=True)
+    stop_serving: list[Callable[[], None]] = []  # how to stop uvicorn, once it is set up
+    lock = threading.Lock()
+
+    def core_failed(message: str) -> None:
+        with lock:
+            failures.append(message)
+            written = failure_file.with_suffix(".writing")
+            written.write_text(message)
+            written.replace(failure_file)  # whole, at once: the workers stop waiting for the core (connect_to_core)
+            for stop in stop_serving:
+                stop()
+
+    core = EngineProcess(launch)
+    core.start(wait=False, on_failure=core_failed)
+    try:
+        return _run_api_workers(config, launch.address, failure_file, workers, log_level, lock, failures, stop_serving)
+    finally:
+        core.stop()
+        failure_file.unlink(missing_ok=True)
+
+
+def _run_api_workers(
+    config: ServerConfig, core_address: str, failure_file: Path, workers: int, log_level: str,
+    lock: threading.Lock, failures: list[str], stop_serving: list[Callable[[], None]],
+) -> int:
+    """uvicorn with `workers` API workers (in this process when one) until interrupted or the core fails."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from .connections import uvicorn_options
+
     os.environ[SETTINGS_ENV] = json.dumps(
-        {"config": _config_to_json(config), "core_address": launch.address, "core_failure_file": str(failure_file)}
+        {"config": _config_to_json(config), "core_address": core_address, "core_failure_file": str(failure_file)}
     )
-    options = {**uvicorn_options, "factory": True, "workers": workers}
+    options: dict[str, Any] = {**uvicorn_options(config, log_level=log_level), "factory": True, "workers": workers}
     server_config = uvicorn.Config("qwen3tts_agent.server.launcher:worker_app", **options)
     server = uvicorn.Server(server_config)
     supervisor = Multiprocess(server_config, sockets=[server_config.bind_socket()]) if workers > 1 else None
 
-    def core_failed(message: str) -> None:
+    def stop() -> None:
         # uvicorn's own exit flags, not a signal: a SIGTERM that uvicorn re-raises after its shutdown would
         # kill this process before it stops the core and returns 1
-        failures.append(message)
-        written = failure_file.with_suffix(".writing")
-        written.write_text(message)
-        written.replace(failure_file)  # whole, at once: the workers stop waiting for the core (connect_to_core)
         if supervisor is not None:
             supervisor.should_exit.set()
         else:
@@ -111,16 +140,14 @@ def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, uvicorn_opt
         # it: the default one would end this process there, leaving the core running without its supervisor
         server.should_exit = True
 
-    core = EngineProcess(launch)
-    core.start(wait=False, on_failure=core_failed)
-    try:
-        if supervisor is not None:
-            supervisor.run()  # restarts dead workers; takes SIGINT/SIGTERM itself and returns
-        else:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, stop_on_signal)
-            server.run()
-    finally:
-        core.stop()
-        failure_file.unlink(missing_ok=True)
+    with lock:
+        if failures:  # the core failed before uvicorn was set up
+            return 1
+        stop_serving.append(stop)
+    if supervisor is not None:
+        supervisor.run()  # restarts dead workers; takes SIGINT/SIGTERM itself and returns
+    else:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop_on_signal)
+        server.run()
     return 1 if failures else 0
