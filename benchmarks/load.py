@@ -64,7 +64,7 @@ class Record:
     audio_s: float = 0.0
     done_s: float | None = None  # flush/request -> last audio
     stall_s: float = 0.0  # total playback starvation after the first PCM
-    stages_ms: dict[str, float] | None = None  # where the first chunk's time went (the server's `done` metrics)
+    stages_ms: dict[str, float] | None = None  # where the first chunk's time went (`done` metrics; an HTTP header)
     error: str | None = None
 
     @property
@@ -154,6 +154,8 @@ async def http_request(plan: ClientPlan, record: Record, client: httpx.AsyncClie
         if response.status_code != 200:
             detail = json.loads(await response.aread()).get("error", {})
             raise RuntimeError(f"{detail.get('code')}: {detail.get('message')}")
+        stages = response.headers.get("x-first-chunk-stages")  # the server's split, as the WebSocket's `done` gives
+        record.stages_ms = json.loads(stages) if stages else None
         leftover = 0
         async for piece in response.aiter_bytes():
             now = time.monotonic()
@@ -253,6 +255,7 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
         "slowest_stream_rtf": min(rtfs, default=None),
         "errors": errors,
         # server side, from the engine's timestamps: submit -> prompt done -> first frame -> decoded -> sent
+        # (over HTTP, also the request before its submit: body, checks, slot)
         "first_chunk_stages_ms": stages,
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import json
 import struct
 import threading
 import time
@@ -221,9 +222,13 @@ async def test_openai_speech_streams_pcm_and_wav(server: RunningServer) -> None:
             assert response.status_code == 200
             assert response.headers["content-type"] == "audio/pcm"
             assert "content-length" not in response.headers  # chunked: audio leaves as it is made
+            stages = json.loads(response.headers["x-first-chunk-stages"])
             pieces = [piece async for piece in response.aiter_raw()]
         pcm = b"".join(pieces)
         assert len(pieces) >= 2 and len(pcm) > 0 and len(pcm) % (FRAME * 2) == 0
+        # where the first chunk's time went, in order, each stage a real span
+        assert list(stages) == ["request", "prompt", "first_frame", "decode", "delivery"]
+        assert all(v >= 0 for v in stages.values()) and stages["first_frame"] > 0
 
         response = await client.post(
             f"{server.http_url}/v1/audio/speech", headers=AUTH, json={**body, "response_format": "wav"}

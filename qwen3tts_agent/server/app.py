@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,7 @@ from .protocol import (
     require_text,
     validate_body,
 )
-from .session import StreamSession
+from .session import StreamSession, first_chunk_stages
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _AUDIO_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
+# Where a speech response's first chunk spent its time, in ms: the request (its body, checks and slot), then the
+# stages the WebSocket reports in `done` (prompt, first frame, decode, delivery to the response's start).
+FIRST_CHUNK_STAGES_HEADER = "X-First-Chunk-Stages"
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -78,8 +82,10 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
 class _SpeechResponse(StreamingResponse):
     """Streams one utterance; `cleanup` runs however the response ends (done, error, client gone, never started)."""
 
-    def __init__(self, content: AsyncIterator[bytes], media_type: str, cleanup: Callable[[], None]) -> None:
-        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-store"})
+    def __init__(
+        self, content: AsyncIterator[bytes], media_type: str, cleanup: Callable[[], None], headers: dict[str, str]
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-store", **headers})
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -89,7 +95,8 @@ class _SpeechResponse(StreamingResponse):
             self._cleanup()
 
 
-async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) -> Response:
+async def _speech(state: ServerState, admission: Admission, req: SpeechRequest, received: float) -> Response:
+    """The OpenAI speech endpoint; `received`: when the request came in (time.perf_counter), for its stages."""
     fmt = req.response_format.lower()
     if fmt not in _AUDIO_TYPES:
         raise ApiError(
@@ -145,7 +152,12 @@ async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) 
             state.metrics.utterances.labels("http", "error").inc()
             raise from_engine_error(exc) from exc
         raise
-    state.metrics.first_audio.labels("http").observe(time.perf_counter() - started)
+    answered = time.perf_counter()
+    state.metrics.first_audio.labels("http").observe(answered - started)
+    headers = {}
+    if first is not None:  # where the first chunk's time went, as the WebSocket's `done` says (docs/server.md)
+        stages = {"request": 1000 * (first.timings.submitted - received), **first_chunk_stages(first.timings, answered)}
+        headers[FIRST_CHUNK_STAGES_HEADER] = json.dumps({k: round(v, 3) for k, v in stages.items()}, separators=(",", ":"))
     rate = state.engine.sample_rate  # OpenAI's pcm is 24 kHz s16le, which is the engine's native rate
     encoder = PcmEncoder("pcm_s16le", rate, rate)
 
@@ -172,7 +184,7 @@ async def _speech(state: ServerState, admission: Admission, req: SpeechRequest) 
         state.metrics.audio_seconds.inc(result.audio_seconds)
         state.metrics.real_time_factor.observe(result.real_time_factor)
 
-    return _SpeechResponse(body(), _AUDIO_TYPES[fmt], cleanup)
+    return _SpeechResponse(body(), _AUDIO_TYPES[fmt], cleanup, headers)
 
 
 def create_app(
@@ -240,8 +252,9 @@ def create_app(
 
     @api.post("/v1/audio/speech")
     async def speech(request: Request, admission: Admission = Depends(ready)) -> Response:  # noqa: B008
+        received = time.perf_counter()
         body = await read_json(request, config.max_message_bytes, config.http_read_timeout_s)
-        return await _speech(state, admission, validate_body(SpeechRequest, body))
+        return await _speech(state, admission, validate_body(SpeechRequest, body), received)
 
     @api.get("/v1/voices", dependencies=[Depends(ready)])
     async def list_voices() -> dict[str, Any]:
