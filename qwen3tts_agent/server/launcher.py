@@ -80,48 +80,62 @@ def worker_app() -> Any:
     )
 
 
+class _CoreFailure:
+    """A failed start of the engine core, told to the API workers (a file they watch, `connect_to_core`) and to
+    uvicorn (its exit flag). The core starts first, so it may fail before uvicorn is set up to be told."""
+
+    def __init__(self, failure_file: Path) -> None:
+        self.failure_file = failure_file
+        self.messages: list[str] = []
+        self._stop: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def report(self, message: str) -> None:
+        with self._lock:
+            self.messages.append(message)
+            written = self.failure_file.with_suffix(".writing")
+            written.write_text(message)
+            written.replace(self.failure_file)  # whole, at once: the workers stop waiting for the core
+            if self._stop is not None:
+                self._stop()
+
+    def stop_with(self, stop: Callable[[], None]) -> bool:
+        """Call `stop` should the core fail from now on; False (and no call) if it has failed already."""
+        with self._lock:
+            if self.messages:
+                return False
+            self._stop = stop
+            return True
+
+
 def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, log_level: str) -> int:
     """Run the engine core and the API workers until interrupted; 1 if the core failed to start.
 
     The core is started first: its imports, weights and warm-up (the whole of the time to ready) then run
     while this process loads the web stack and starts the workers."""
-    failures: list[str] = []
-    failure_file = _core_failure_file()
-    failure_file.unlink(missing_ok=True)
-    stop_serving: list[Callable[[], None]] = []  # how to stop uvicorn, once it is set up
-    lock = threading.Lock()
-
-    def core_failed(message: str) -> None:
-        with lock:
-            failures.append(message)
-            written = failure_file.with_suffix(".writing")
-            written.write_text(message)
-            written.replace(failure_file)  # whole, at once: the workers stop waiting for the core (connect_to_core)
-            for stop in stop_serving:
-                stop()
-
+    failure = _CoreFailure(_core_failure_file())
+    failure.failure_file.unlink(missing_ok=True)
     core = EngineProcess(launch)
-    core.start(wait=False, on_failure=core_failed)
+    core.start(wait=False, on_failure=failure.report)
     try:
-        return _run_api_workers(config, launch.address, failure_file, workers, log_level, lock, failures, stop_serving)
+        _run_api_workers(config, launch.address, workers, log_level, failure)
+        return 1 if failure.messages else 0
     finally:
         core.stop()
-        failure_file.unlink(missing_ok=True)
+        failure.failure_file.unlink(missing_ok=True)
 
 
-def _run_api_workers(
-    config: ServerConfig, core_address: str, failure_file: Path, workers: int, log_level: str,
-    lock: threading.Lock, failures: list[str], stop_serving: list[Callable[[], None]],
-) -> int:
+def _run_api_workers(config: ServerConfig, core_address: str, workers: int, log_level: str, failure: _CoreFailure) -> None:
     """uvicorn with `workers` API workers (in this process when one) until interrupted or the core fails."""
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
     from .connections import uvicorn_options
 
-    os.environ[SETTINGS_ENV] = json.dumps(
-        {"config": _config_to_json(config), "core_address": core_address, "core_failure_file": str(failure_file)}
-    )
+    os.environ[SETTINGS_ENV] = json.dumps({
+        "config": _config_to_json(config), "core_address": core_address,
+        "core_failure_file": str(failure.failure_file),
+    })
     options: dict[str, Any] = {**uvicorn_options(config, log_level=log_level), "factory": True, "workers": workers}
     server_config = uvicorn.Config("qwen3tts_agent.server.launcher:worker_app", **options)
     server = uvicorn.Server(server_config)
@@ -140,14 +154,11 @@ def _run_api_workers(
         # it: the default one would end this process there, leaving the core running without its supervisor
         server.should_exit = True
 
-    with lock:
-        if failures:  # the core failed before uvicorn was set up
-            return 1
-        stop_serving.append(stop)
+    if not failure.stop_with(stop):
+        return
     if supervisor is not None:
         supervisor.run()  # restarts dead workers; takes SIGINT/SIGTERM itself and returns
     else:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stop_on_signal)
         server.run()
-    return 1 if failures else 0
