@@ -1,10 +1,13 @@
 """`GraphCapture` on a GPU: a graph is captured with cuDNN's attention left out of
 `scaled_dot_product_attention`'s choice (`engine/cuda_graphs.py` says why), its replay gives the same
-attention as an eager call, and the choice is the caller's again once the capture is done. The frame graphs,
-captured after one eager frame step per batch bucket, replay what eager frame steps compute."""
+attention as an eager call, and the choice is the caller's again once the capture is done. A capture that
+fails without its eager run gets one and a valid graph; two families captured at once on two threads
+(`capture_beside`) replay what eager calls compute. The frame graphs, captured after one eager frame step per
+batch bucket while the codec's are captured beside them, replay what eager frame steps compute."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -35,6 +38,59 @@ def test_a_graph_is_captured_without_cudnn_attention_and_the_choice_is_restored(
 
 
 @pytest.mark.gpu
+def test_a_capture_that_fails_without_its_eager_run_gets_one_and_a_valid_graph() -> None:
+    from qwen3tts_agent.engine.cuda_graphs import GraphCapture
+
+    x = torch.arange(8, device="cuda", dtype=torch.float32)
+    calls: list[int] = []
+
+    def doubled() -> torch.Tensor:
+        calls.append(len(calls))
+        if len(calls) == 1:  # as a first launch that sets itself up inside a capture fails
+            raise RuntimeError("set-up inside a capture")
+        return x * 2
+
+    capture = GraphCapture()
+    graph, out = capture.capture(doubled, eager=False)
+    assert capture.eager_runs == 1 and len(calls) == 3  # the failed capture, the eager run, the capture
+    x.add_(1)
+    graph.replay()
+    capture.finish()
+    torch.testing.assert_close(out, x * 2)
+
+
+@pytest.mark.gpu
+def test_two_families_captured_beside_each_other_replay_what_eager_calls_compute() -> None:
+    """A convolution family (cuDNN plans: the codec's kind) on the helper thread beside a matmul family."""
+    from qwen3tts_agent.engine.cuda_graphs import GraphCapture, capture_beside
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    signal = torch.randn(4, 16, 256, device="cuda", generator=generator)
+    kernel = torch.randn(16, 16, 7, device="cuda", generator=generator)
+    a, b = (torch.randn(64, 64, device="cuda", generator=generator) for _ in range(2))
+    graphs: dict[str, list[tuple[Any, torch.Tensor]]] = {"conv": [], "matmul": []}
+    threads: dict[str, str] = {}
+
+    def family(name: str, fns: list[Any]) -> None:
+        threads[name] = threading.current_thread().name
+        capture = GraphCapture()
+        graphs[name] = [capture.capture(fn, eager=i == 0) for i, fn in enumerate(fns)]
+        capture.finish()
+
+    convs = [lambda n=n: F.conv1d(signal[:n], kernel, padding=3, dilation=1) for n in (1, 2, 4)]
+    matmuls = [lambda n=n: a[:n] @ b for n in (8, 16, 32, 64)]
+    capture_beside(torch.device("cuda"), lambda: family("matmul", matmuls), lambda: family("conv", convs))
+    assert threads["matmul"] == threading.current_thread().name != threads["conv"]
+    signal.mul_(-1)
+    a.add_(1)
+    for (graph, out), fn in [*zip(graphs["conv"], convs, strict=True), *zip(graphs["matmul"], matmuls, strict=True)]:
+        graph.replay()
+        torch.cuda.synchronize()
+        # cuDNN may take another algorithm (TF32) on this thread than the helper's; the inputs changed sign
+        torch.testing.assert_close(out, fn(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
 def test_frame_graphs_captured_after_one_eager_run_per_batch_bucket_replay_the_eager_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -46,11 +102,12 @@ def test_frame_graphs_captured_after_one_eager_run_per_batch_bucket_replay_the_e
     from qwen3tts_agent.models.loading import load_official_model
 
     official = load_official_model("synthetic:tiny-customvoice", device="cuda", progress=False)
-    eager_runs: list[bool] = []
+    eager_runs: list[bool] = []  # the engine thread's captures (the codec's run beside them, on a helper thread)
     capture = GraphCapture.capture
 
     def recorded(self: GraphCapture, fn: Any, eager: bool = True) -> Any:
-        eager_runs.append(eager)
+        if threading.current_thread().name == "qwen3tts-engine":
+            eager_runs.append(eager)
         return capture(self, fn, eager)
 
     monkeypatch.setattr(GraphCapture, "capture", recorded)
