@@ -96,9 +96,10 @@ class GraphCapture:
     module loaded, a library's handle or per-shape plan) happens outside the capture, then captures it;
     `fn`'s result is the graph's static output. Only a family's first graph needs that eager run as a rule:
     the later ones launch the same operations at other shapes, and an eager run doubles the host's time
-    per graph (a start's warm-up is mostly that host time). So `eager=False` captures at once, and where
-    that capture fails (something set itself up inside it, which a capture forbids: it fails, it does not
-    replay wrongly), runs `fn` eagerly and captures again. `eager_runs` counts the eager runs.
+    per graph (a start's warm-up is mostly that host time). So by default (`eager=None`) only the first
+    capture has one; `eager=False` captures at once, and where that capture fails (something set itself up
+    inside it, which a capture forbids: it fails, it does not replay wrongly), runs `fn` eagerly and captures
+    again. `eager_runs` counts the eager runs.
     """
 
     def __init__(self) -> None:
@@ -107,7 +108,9 @@ class GraphCapture:
         self._side: torch.cuda.Stream | None = None
         self.eager_runs = 0
 
-    def capture(self, fn: Callable[[], T], eager: bool = True) -> tuple[torch.cuda.CUDAGraph, T]:
+    def capture(self, fn: Callable[[], T], eager: bool | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+        if eager is None:
+            eager = self._pool is None  # the family's first graph
         with sdpa_kernel(CAPTURE_ATTENTION_BACKENDS):
             if not eager:
                 try:
@@ -265,9 +268,9 @@ class GraphedPrefill:
         """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
         started = time.perf_counter()
         self._write_pos.fill_(self.runner.max_seq_len)
-        for i, (b, t, k) in enumerate(track(self.keys, desc="capturing prefill graphs", enabled=progress)):
+        for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             forward = functools.partial(self.runner.prefill_forward, *self._inputs(b, t), kv_len=k)
-            self._graphs[(b, t, k)] = self._capture.capture(forward, eager=i == 0)
+            self._graphs[(b, t, k)] = self._capture.capture(forward)
         self._capture.finish()
         logger.info("captured %d prefill graphs in %.1f s (%d eager runs)", len(self.keys),
                     time.perf_counter() - started, self._capture.eager_runs)
@@ -316,9 +319,9 @@ class GraphedStagedPrefill:
         """Capture every bucket with every row on the staging cache's padding column (no slot changes)."""
         started = time.perf_counter()
         keys = [(b, k) for b in self.row_buckets for k in self.kv_buckets]
-        for i, (b, k) in enumerate(track(keys, desc="capturing staged prefill graphs", enabled=progress)):
+        for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
             forward = functools.partial(self.staging.forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
-            self._graphs[(b, k)] = self._capture.capture(forward, eager=i == 0)
+            self._graphs[(b, k)] = self._capture.capture(forward)
         self._capture.finish()
         logger.info("captured %d staged prefill graphs in %.1f s (%d eager runs)", len(keys),
                     time.perf_counter() - started, self._capture.eager_runs)
@@ -378,9 +381,9 @@ class GraphedCodecDecode:
     def capture(self, progress: bool = True) -> None:
         started = time.perf_counter()
         keys = [(b, t) for b in self.batch_buckets for t in self.frame_sizes]
-        for i, (b, t) in enumerate(track(keys, desc=f"capturing {self.name} graphs", enabled=progress)):
+        for b, t in track(keys, desc=f"capturing {self.name} graphs", enabled=progress):
             decode = functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t])
-            self._graphs[(b, t)] = self._capture.capture(decode, eager=i == 0)
+            self._graphs[(b, t)] = self._capture.capture(decode)
         self._capture.finish()
         logger.info("captured %d %s graphs in %.1f s (%d eager runs)", len(keys), self.name,
                     time.perf_counter() - started, self._capture.eager_runs)
