@@ -7,9 +7,12 @@ its state then moves to a slot above them (`Scheduler.first_frame_rows`, `Schedu
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from qwen3tts_agent import SamplingParams, Voice
+from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"
@@ -24,7 +27,8 @@ def _audio(chunks, first: list | None = None) -> np.ndarray:  # type: ignore[no-
 
 
 def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
-    engine = engine_for("synthetic:tiny", max_streams=12, first_frame_step_load=4)
+    slots = FIRST_FRAME_SLOTS
+    engine = engine_for("synthetic:tiny", max_streams=2 * slots + 2, first_frame_step_load=slots)
     runner = engine.core.runner
     moves: list[tuple[int, int]] = []
     move_slot = runner.move_slot
@@ -50,19 +54,19 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
         alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
                  for n in (8, 40, 24)}
         before = engine.stats()
-        short = [_run(engine, voice, 8) for _ in range(4)]  # the lowest slots, at light load: they stay there
+        short = [_run(engine, voice, 8) for _ in range(slots)]  # the lowest slots, at light load: they stay there
         first_chunks = short[0].chunks(timeout=120)
         started = [next(first_chunks)]  # they are stepping now
-        long = [_run(engine, voice, 40) for _ in range(4)]  # under load, no first-frame slot free: slots 4-7
+        long = [_run(engine, voice, 40) for _ in range(slots)]  # under load, no first-frame slot free: above
         short_audio = [_audio(first_chunks, started)] + [_audio(s.chunks(timeout=120)) for s in short[1:]]
-        new = [_run(engine, voice, 24) for _ in range(2)]  # the short ones ended: first-frame slots, then 8 and 9
+        new = [_run(engine, voice, 24) for _ in range(2)]  # the short ones ended: first-frame slots, then above
         new_audio = [_audio(s.chunks(timeout=120)) for s in new]
         long_audio = [_audio(s.chunks(timeout=120)) for s in long]
         after = engine.stats()
     finally:
         engine.close()
     assert after.first_frame_steps > before.first_frame_steps, "no first frame ran in a step of its own"
-    assert len(moves) == 2 and all(src < 4 <= dst for src, dst in moves), moves
+    assert len(moves) == 2 and all(src < slots and dst >= 2 * slots for src, dst in moves), moves
     # the step time the clock's release and the overload check go by is a batched step's: the first-frame
     # steps (a few rows, far quicker under load) are left out of it
     assert len(timed_steps) == len(batched_steps), (len(timed_steps), len(batched_steps))
@@ -71,3 +75,36 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
         for stream, pcm in zip(streams, audio, strict=True):
             assert stream.result.codes == result_alone.codes
             np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+
+
+def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes_alone() -> None:
+    """More streams than the engine holds, arriving faster than they end: while every slot is taken, a stream
+    leaves its first-frame slot for the one a stream that ended frees (`Scheduler.make_room`, copied on the
+    prompts' lane before the arrival's set-up there). Every stream's codes are still those it makes alone.
+    (tests/kernels/test_first_frame_slots.py runs the same on a GPU, where the lanes are CUDA streams.)"""
+    slots = FIRST_FRAME_SLOTS
+    engine = engine_for("synthetic:tiny-customvoice", max_streams=2 * slots + 2, max_seq_len=256, first_frame_step_load=slots)
+    made_room: list[int] = []
+    make_room = engine.core.scheduler.make_room
+
+    def spy(now: float, period_s: float) -> list:  # type: ignore[type-arg]
+        moves = make_room(now, period_s)
+        made_room.extend(old for _, old, _ in moves)
+        return moves
+
+    engine.core.scheduler.make_room = spy  # type: ignore[method-assign]
+    voice = Voice(speaker=engine.speakers[0])
+    try:
+        alone = _run(engine, voice, 40)
+        list(alone.chunks(timeout=120))
+        streams = []
+        for i in range(36):
+            streams.append(_run(engine, voice, 16 + (i * 7) % 25))
+            time.sleep(0.01)
+        for stream in streams:
+            list(stream.chunks(timeout=300))
+    finally:
+        engine.close()
+    assert made_room and all(slot < slots for slot in made_room), made_room
+    for stream in streams:
+        assert stream.result.codes == alone.result.codes[: len(stream.result.codes)]

@@ -44,8 +44,9 @@ def step(scheduler: Scheduler, now: float, eos: set[int] = frozenset()) -> list:
     rows = scheduler.runnable()
     slots = [r.slot for r in rows]
     seq = scheduler.on_launched(rows)
-    codes = np.arange(SLOTS * 16).reshape(SLOTS, 16) + 1000 * seq
-    finished = np.array([1 if slot in eos else 0 for slot in range(SLOTS)])
+    slots_total = scheduler.max_slots
+    codes = np.arange(slots_total * 16).reshape(slots_total, 16) + 1000 * seq
+    finished = np.array([1 if slot in eos else 0 for slot in range(slots_total)])
     plans = scheduler.on_frame(rows, slots, codes, finished, now)
     scheduler.on_step_done(seq)
     return plans
@@ -460,8 +461,18 @@ def _prefill_all(scheduler: Scheduler, now: float) -> None:
         scheduler.on_fed(r, ids)
 
 
-def test_under_load_a_new_stream_takes_a_first_frame_slot_steps_alone_then_moves_above() -> None:
-    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+def _frame(scheduler: Scheduler, rows: list[RequestState], now: float) -> list:  # type: ignore[type-arg]
+    """Launch one step of `rows` alone (as a first-frame step) and read it back at `now`; the chunk plans."""
+    slots = [r.slot for r in rows]
+    seq = scheduler.on_launched(rows)
+    codes, finished = np.arange(8 * 16).reshape(8, 16) + 1000 * seq, np.zeros(8)
+    plans = scheduler.on_frame(rows, slots, codes, finished, now)  # type: ignore[arg-type]
+    scheduler.on_step_done(seq)
+    return plans
+
+
+def _under_load(scheduler: Scheduler) -> tuple[list[RequestState], list[RequestState]]:
+    """Two streams in the first-frame slots (0, 1) stepping, two more above them (2, 3), then the first two end."""
     early = [make_request(f"early{i}") for i in range(2)]
     for r in early:
         start(scheduler, r, [5, 6])
@@ -471,32 +482,93 @@ def test_under_load_a_new_stream_takes_a_first_frame_slot_steps_alone_then_moves
     for r in busy:
         start(scheduler, r, [5, 6])
     assert [r.slot for r in busy] == [2, 3]  # under load, but no first-frame slot is free: the lowest above
-    assert scheduler.first_frame_rows() == []
+    assert scheduler.first_frame_rows(0.0, 0.02) == []
     step(scheduler, 0.01, eos={0, 1})  # the early streams end: their slots are first-frame slots again
     assert all(r.finish_reason is FinishReason.EOS for r in early)
+    return early, busy
 
-    new = make_request("new")
+
+def test_under_load_a_new_stream_steps_in_a_first_frame_slot_until_batched_steps_keep_up_then_moves_above() -> None:
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _, busy = _under_load(scheduler)
+    new = make_request("new", schedule=(1, 2, 4))
     start(scheduler, new, [5, 6], now=0.02)
-    assert new.slot == 0 and scheduler.first_frame_rows() == [new]
+    assert new.slot == 0 and scheduler.first_frame_rows(0.02, 0.02) == [new]
     seq = scheduler.on_launched([new])  # its first frame, in a step of the first-frame slots alone
-    assert scheduler.first_frame_rows() == []
-    moves = scheduler.moves()  # before the next step: to the lowest free slot above them
-    assert moves == [(new, 0, 4)] and new.slot == 4 and scheduler.running[4] is new and 0 not in scheduler.running
-    assert scheduler.moves() == []
-    after = make_request("after")
-    start(scheduler, after, [5, 6], now=0.03)
-    assert after.slot == 1  # slot 0 waits for the step after the move (its copies read slot 0)
+    assert scheduler.first_frame_rows(0.02, 0.02) == [] and scheduler.moves(0.02, 0.02) == []  # in flight
     codes, finished = np.arange(8 * 16).reshape(8, 16), np.zeros(8)
-    plans = scheduler.on_frame([new], [0], codes, finished, 0.03)  # read from the slot it had in that step
-    assert new.frames == 1 and [p.codes.tolist() for p in plans] == [[codes[0].tolist()]]
+    [first] = scheduler.on_frame([new], [0], codes, finished, 0.025)
     scheduler.on_step_done(seq)
+    scheduler.on_delivered(first, 0.03)
+    # its 2-frame second chunk is due at 0.11: batched steps, one frame a 20 ms tick, would leave it less than
+    # EARLY_HOLD_MARGIN_S and a step to spare: it steps on in its slot
+    assert not scheduler.settled(new, 0.03, 0.02) and scheduler.moves(0.03, 0.02) == []
+    assert scheduler.first_frame_rows(0.03, 0.02) == [new]
+    _frame(scheduler, [new], 0.033)
+    [second] = _frame(scheduler, [new], 0.036)
+    assert second.n_frames == 2
+    # 3 frames cut, heard until 0.27; the 4-frame third chunk at a tick each, a step to spare and the margin: 0.236
+    assert scheduler.settled(new, 0.036, 0.02)
+    assert scheduler.first_frame_rows(0.036, 0.02) == []
+    moves = scheduler.moves(0.036, 0.02)  # before the next step: to the lowest free slot above them
+    assert moves == [(new, 0, 4)] and new.slot == 4 and scheduler.running[4] is new and 0 not in scheduler.running
+    assert scheduler.moves(0.036, 0.02) == []
+    after = make_request("after")
+    start(scheduler, after, [5, 6], now=0.04)
+    assert after.slot == 1  # slot 0 waits for the step after the move (its copies read slot 0)
     rows = scheduler.runnable()
-    assert new in rows and after in rows and new.slot == 4
+    assert new in rows and after in rows and busy[0] in rows
     big = scheduler.on_launched(rows)
     scheduler.on_step_done(big)
     other = make_request("other")
-    start(scheduler, other, [5, 6], now=0.04)
+    start(scheduler, other, [5, 6], now=0.05)
     assert other.slot == 0  # free again once that step completed
+
+
+def test_where_batched_steps_are_slow_a_new_stream_stays_longer_in_its_first_frame_slot() -> None:
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _under_load(scheduler)
+    scheduler.record_step_time(0.03)  # a batched step of hundreds of rows
+    new = make_request("new", schedule=(1, 2, 4))
+    start(scheduler, new, [5, 6], now=0.02)
+    [first] = _frame(scheduler, [new], 0.025)
+    scheduler.on_delivered(first, 0.03)
+    _frame(scheduler, [new], 0.033)
+    _frame(scheduler, [new], 0.036)
+    assert not scheduler.settled(new, 0.036, 0.02)  # 0.036 + 5 * 0.03 + 0.1 > 0.27
+    assert scheduler.first_frame_rows(0.036, 0.02) == [new]
+    _frame(scheduler, [new], 0.039)  # the third chunk now lacks 3 frames: 0.039 + 4 * 0.03 + 0.1 <= 0.27
+    assert scheduler.settled(new, 0.039, 0.02) and [m[0] for m in scheduler.moves(0.039, 0.02)] == [new]
+
+
+def test_batched_steps_wait_for_new_streams_in_first_frame_slots_while_the_others_have_slack() -> None:
+    from qwen3tts_agent.engine.scheduler import EARLY_HOLD_MARGIN_S
+
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _, busy = _under_load(scheduler)
+    for r in busy:  # they have played from 0.0 and have one 1-frame chunk out: their next is due at 0.08
+        r.first_audio, r.delivered_frames = 0.0, 1
+    assert scheduler.early_release(scheduler.runnable(), 0.02, 0.02) == float("-inf")  # no new stream: no wait
+    new = make_request("new", schedule=(1, 2, 4))
+    start(scheduler, new, [5, 6], now=0.02)
+    rows = scheduler.runnable()
+    assert new in rows
+    # the busy streams' second chunks lack one frame each (they made 2; the pending one, the in-flight none)
+    missing = busy[0].next_chunk_frames - len(busy[0].pending)
+    expected = 0.08 - missing * 0.02 - EARLY_HOLD_MARGIN_S
+    assert scheduler.early_release(rows, 0.02, 0.02) == pytest.approx(expected)
+    assert scheduler.early_release(rows, 0.02, 0.02) == pytest.approx(scheduler.pace_release(busy, 0.02, EARLY_HOLD_MARGIN_S))
+
+
+def test_a_new_stream_waiting_for_text_leaves_its_first_frame_slot_and_holds_no_step() -> None:
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _under_load(scheduler)
+    new = make_request("new", schedule=(1, 2, 4))
+    start(scheduler, new, [5, 6], closed=False, now=0.02)  # its text so far makes one frame
+    _frame(scheduler, [new], 0.025)
+    assert not scheduler.settled(new, 0.025, 0.02) and scheduler.first_frame_rows(0.025, 0.02) == []
+    assert scheduler.early_release(scheduler.runnable(), 0.025, 0.02) == float("-inf")
+    assert [m[0] for m in scheduler.moves(0.025, 0.02)] == [new]
 
 
 def test_a_first_frame_slot_stream_stays_while_no_slot_above_is_free() -> None:
@@ -511,11 +583,54 @@ def test_a_first_frame_slot_stream_stays_while_no_slot_above_is_free() -> None:
     start(scheduler, c, [5, 6], now=0.02)
     start(scheduler, d, [5, 6], now=0.02)
     assert (c.slot, d.slot) == (0, 2)
-    scheduler.on_launched(scheduler.first_frame_rows())
-    assert scheduler.moves() == [] and c.slot == 0  # every slot above is taken: c stays, and steps in place
+    for now in (0.021, 0.022, 0.023):  # three frames: settled at a 20 ms tick (test above)
+        _frame(scheduler, scheduler.first_frame_rows(now, 0.02), now)
+    assert scheduler.settled(c, 0.023, 0.02)
+    assert scheduler.moves(0.023, 0.02) == [] and c.slot == 0  # every slot above is taken: c stays, steps in place
     scheduler.finish(d, FinishReason.CANCELLED)
     scheduler.on_steps_abandoned()
-    assert [(r.request_id, old, new) for r, old, new in scheduler.moves()] == [("c", 0, 2)]
+    assert [(r.request_id, old, new) for r, old, new in scheduler.moves(0.023, 0.02)] == [("c", 0, 2)]
+
+
+def test_a_nearly_full_engine_makes_room_in_the_first_frame_slots_for_the_next_arrival() -> None:
+    """Every slot taken: a slot frees only when a stream ends, and the next arrival would take it. `make_room`
+    moves a stream that nothing on the device may still write out of its first-frame slot into the freed one,
+    and the arrival takes the first-frame slot at once."""
+    scheduler = make_scheduler(max_slots=6, max_prefill_rows=8, first_frame_slots=2)
+    light = [make_request(f"light{i}") for i in range(2)]
+    for r in light:
+        start(scheduler, r, [5, 6])
+    step(scheduler, 0.0)
+    busy = [make_request(f"busy{i}") for i in range(4)]
+    for r in busy:
+        start(scheduler, r, [5, 6])
+    assert [r.slot for r in busy] == [2, 3, 4, 5]
+    step(scheduler, 0.01, eos={0, 1})  # the light streams end: first-frame slots free
+    new = [make_request(f"new{i}") for i in range(2)]
+    for r in new:
+        start(scheduler, r, [5, 6], now=0.02)
+    assert [r.slot for r in new] == [0, 1]
+    step(scheduler, 0.03, eos={2})  # busy0 ends; the new streams have their first frames
+    late = make_request("late")
+    scheduler.add(late)
+    scheduler.close_input(late, [5, 6])
+    scheduler.on_fed(new[1], [7])  # a text feed queued for new1 after the last step: it may still write slot 1
+    moves = scheduler.make_room(0.04, 0.02)
+    assert moves == [(new[0], 0, 2)] and new[0].slot == 2 and scheduler.running[2] is new[0]
+    assert scheduler.admit(0.04) == [late] and late.slot == 0  # at once: the move is copied before its set-up
+    assert scheduler.first_frame_rows(0.04, 0.02) == [new[1]]  # late's prompt is not prefilled yet
+    assert scheduler.make_room(0.04, 0.02) == []  # nobody waits
+
+
+def test_make_room_moves_nobody_below_the_load_or_while_a_first_frame_slot_is_free() -> None:
+    scheduler = make_scheduler(max_slots=6, max_prefill_rows=8, first_frame_slots=2, first_frame_load=4)
+    running = [make_request(f"r{i}") for i in range(3)]
+    for r in running:
+        start(scheduler, r, [5, 6])
+    step(scheduler, 0.0)
+    waiting = make_request("waiting")
+    scheduler.add(waiting)
+    assert scheduler.make_room(0.01, 0.02) == []  # 3 streams stepping: below the load of 4
 
 
 def test_first_frame_slots_must_leave_slots_above_them() -> None:
@@ -536,4 +651,4 @@ def test_first_frame_slots_wait_for_their_load(stepping: int, first_frame: bool)
     new = make_request("new")
     start(scheduler, new, [5, 6], now=0.01)
     assert new.slot == 0
-    assert scheduler.first_frame_rows() == ([new] if first_frame else [])
+    assert scheduler.first_frame_rows(0.01, 0.02) == ([new] if first_frame else [])

@@ -324,10 +324,13 @@ class EngineCore:
     def _prompts(self) -> bool:
         """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
         now = time.perf_counter()
+        moved = self.scheduler.make_room(now, self.pacer.step_period_s)
         admitted = self.scheduler.admit(now)
         plans = [] if admitted else self.scheduler.prefill_plans()
-        if admitted or plans:
+        if moved or admitted or plans:
             with self._lane(self._prefill_stream):
+                for request, old, new in moved:  # before the set-ups: a new request may take an old slot
+                    self.runner.move_slot(old, new, request.position, request.track_len)
                 for request in admitted:
                     self._guarded(request, self._set_up, request)
                 if admitted:  # after the set-up: a head copied from the prefix store needs no prefill
@@ -426,7 +429,7 @@ class EngineCore:
         now = time.perf_counter()
         self.scheduler.on_delivered(plan, now)
         self.launcher.replan()
-        timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now)
+        timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now, request.admitted_at)
         output = ChunkOutput(
             request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
         )

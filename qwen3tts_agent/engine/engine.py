@@ -52,7 +52,7 @@ AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the s
 GPU_CODEC_HOLD_S = 0.05
 # Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest four is about
 # a lone stream's, and four arrivals within one batched step are rare below a hundred new streams a second.
-FIRST_FRAME_SLOTS = 4
+FIRST_FRAME_SLOTS = 8
 # From how many streams stepping at once batched steps keep to the step clock (`step_period_s`): one stream,
 # or a few, run as fast as the device goes.
 STEP_CLOCK_LOAD = 8

@@ -50,6 +50,7 @@ class StepLauncher:
         self._sampling = sampling
         self._first_audio_alone = first_audio_alone
         self._release: float | None = None  # until when a held step may wait (Scheduler.pace_release)
+        self._early_release: float | None = None  # ... and while new streams step alone (Scheduler.early_release)
         self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
 
     def launch(self) -> bool:
@@ -71,7 +72,7 @@ class StepLauncher:
             now = time.perf_counter()
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
             plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
-            self._release = None
+            self._release = self._early_release = None
             self.scheduler.on_step_done(step.seq)
             if plans:
                 self.audio.decode(plans, now, self.scheduler.audio_streams())
@@ -79,26 +80,37 @@ class StepLauncher:
         return progressed
 
     def replan(self) -> None:
-        """A stream's need changed (a chunk left): a held step's release is worked out afresh."""
+        """A stream's need changed (a chunk left): a held step's release is worked out afresh. (A chunk leaving
+        only moves a release later, so the wait for new streams, worked out over every row, keeps its own until
+        the next step is queued or read.)"""
         self._release = None
 
     def clear(self) -> None:
         """Forget the steps in flight (after a failed step: their requests have failed)."""
         self.steps.clear()
         self.pacer.clear()
-        self._release = None
+        self._release = self._early_release = None
 
     def _launch_first_frames(self) -> bool:
-        """A step of the first-frame slots alone, for new streams whose first frame can run, right behind the
-        step in flight instead of behind it and a whole batched step of its own."""
+        """A step of the first-frame slots alone, for new streams whose next frame can run there, right behind
+        the step in flight instead of behind it and a whole batched step of their own; the streams that no
+        longer need those slots move above them first."""
         if not self.scheduler.first_frame_slots or not self.pacer.may_queue():
             return False
-        rows = self.scheduler.first_frame_rows()
+        now = time.perf_counter()
+        period = self.pacer.step_period_s
+        self._move_settled(now)
+        rows = self.scheduler.first_frame_rows(now, period)
         if not rows:
             return False
-        self._queue_step(rows, time.perf_counter(), batched=False)
+        self._queue_step(rows, now, batched=False)
         self.stats.first_frame_steps += 1
         return True
+
+    def _move_settled(self, now: float) -> None:
+        """Move the streams that leave the first-frame slots (`Scheduler.moves`); a step must follow at once."""
+        for request, old, new in self.scheduler.moves(now, self.pacer.step_period_s):
+            self.runner.move_slot(old, new, request.position, request.track_len)
 
     def _launch_step(self) -> bool:
         """Queue one frame for every runnable request, when the pacer says the device is about to need it (and,
@@ -109,6 +121,7 @@ class StepLauncher:
         rows = self.scheduler.runnable()
         if not rows:
             return False
+        period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
         early = paced and not self.pacer.clock_due(now)
         # A paced step (any step that carries no first frame, with `first_audio_alone`) also waits while a new
@@ -120,15 +133,19 @@ class StepLauncher:
         )
         if held:
             if self._release is None:  # until the next step, collect or delivery changes a stream's need
-                self._release = self.scheduler.pace_release(rows, self.pacer.step_period_s)
+                self._release = self.scheduler.pace_release(rows, period)
             if now < self._release:
                 self._waited_for_audio |= not early
                 return False
+        if self._early_release is None:  # while new streams step in the first-frame slots, it waits for them
+            self._early_release = self.scheduler.early_release(rows, now, period)
+        if now < self._early_release:
+            self._waited_for_audio = True
+            return False
         if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
             return False
-        for request, old, new in self.scheduler.moves():  # out of first-frame slots, right before this step
-            self.runner.move_slot(old, new, request.position, request.track_len)
+        self._move_settled(now)  # out of first-frame slots, right before this step
         self._queue_step(rows, now)
         self.stats.clock_releases += early
         self.stats.first_audio_holds += self._waited_for_audio
@@ -136,7 +153,7 @@ class StepLauncher:
         return True
 
     def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
-        self._release = None
+        self._release = self._early_release = None
         slots: list[int] = []
         for request in rows:
             assert request.slot is not None  # runnable rows always hold a slot

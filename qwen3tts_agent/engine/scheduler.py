@@ -14,9 +14,15 @@ streams still have slack, instead of letting every stream starve a little.
 First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
 a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
 flight and then a whole step of its own. Under load (`first_frame_load` streams stepping or more), a new
-stream therefore takes one of the lowest `first_frame_slots` slots, and its first frame runs in a step of
-those slots alone (`first_frame_rows`), queued right behind the step in flight; before the next step its
-state moves to a slot above them (`moves`), which frees its first-frame slot for the next arrival.
+stream therefore takes one of the lowest `first_frame_slots` slots, and its frames run in steps of those
+slots alone (`first_frame_rows`), queued right behind the step in flight, until batched steps can keep up
+with it: until the frames its next chunk lacks, one batched step each, would leave it `EARLY_HOLD_MARGIN_S`
+and a step to spare before its listener runs out (`settled`). On a lightly loaded device that is after its
+first frame; where a batched step takes longer (hundreds of rows), a few frames later, since its 2-frame
+second chunk is due 80 ms after the first. Its state then moves to a slot above them (`moves`), which frees
+its first-frame slot for the next arrival. While new streams step there, batched steps wait for them as long
+as every other stream's next chunk stays that margin ahead of its deadline (`early_release`): the streams
+seconds ahead of their listeners give the device to those just starting.
 
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
@@ -44,6 +50,10 @@ URGENT_SLACK_S = 0.04
 # A paced step waits for the step clock only while every stream in it would still have its next chunk in
 # time: the frames that chunk lacks at one step each, plus this long for the last step, the decode and delivery.
 PACE_MARGIN_S = 0.04
+# While new streams step in their first-frame slots, a batched step waits for them until a stream's next chunk
+# would otherwise be made less than this long before its deadline (its decode and delivery under load); a new
+# stream leaves those slots once batched steps can make its next chunk with this margin and a step to spare.
+EARLY_HOLD_MARGIN_S = 0.1
 # A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
 # beyond what its listener has heard: the audio is due sooner than their next frames.
 STEP_CAN_WAIT_AHEAD_S = 0.5
@@ -110,6 +120,9 @@ class Scheduler:
         self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
         self.running: dict[int, RequestState] = {}  # slot -> request
         self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
+        # what the per-turn passes look at, so that a turn's cost does not grow with the streams stepping:
+        self._prompting: dict[RequestState, None] = {}  # admitted, prompt body not prefilled yet
+        self._new_text: dict[RequestState, None] = {}  # text, its end or a prefilled body since the last feed
         self.requests: dict[str, RequestState] = {}
         self._free_slots = list(range(max_slots))
         heapq.heapify(self._free_slots)
@@ -140,11 +153,13 @@ class Scheduler:
             raise ValueError("text after the input was closed")
         request.text_ids.extend(token_ids)
         request.tentative = list(tentative)
+        self._new_text[request] = None
 
     def close_input(self, request: RequestState, token_ids: Iterable[int]) -> None:
         request.text_ids.extend(token_ids)
         request.tentative = []
         request.closed = True
+        self._new_text[request] = None
 
     def settle_speculation(self, request: RequestState) -> bool | None:
         """After new text: whether the token a first frame ran on turned out final and the same (True), or
@@ -193,6 +208,8 @@ class Scheduler:
 
     def _release(self, request: RequestState) -> None:
         """Give the slot back, for reuse once no step in flight can hold it."""
+        self._prompting.pop(request, None)
+        self._new_text.pop(request, None)
         if request in self._first_frame:
             self._first_frame.remove(request)
         if request.slot is not None:
@@ -220,8 +237,55 @@ class Scheduler:
                 self._first_frame.append(request)
             request.admitted_at = request.admitted_at or now  # a restarted request keeps its first admission
             self.running[request.slot] = request
+            self._prompting[request] = None
             admitted.append(request)
         return admitted
+
+    def make_room(self, now: float, period_s: float) -> list[tuple[RequestState, int, int]]:
+        """Under load, with requests waiting and every first-frame slot taken: move streams out of first-frame
+        slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
+        still take first-frame slots when the engine is nearly full (a free slot then appears only when a
+        stream ends, and the next arrival would take it). Only streams that nothing queued on the device may
+        still write move (`_at_rest`), `settled` ones and the furthest along first. Returns (request, old slot, new slot): the caller
+        copies their state on the prompts' lane before it sets up any new request there, so the old slot is
+        free at once (nothing queued on the device reads it as a live row)."""
+        if not (self.first_frame_slots and self.waiting and self._free_slots):
+            return []
+        wanted = min(len(self.waiting), self.max_prefill_rows)
+        wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
+        if wanted <= 0 or self._stepping() < self.first_frame_load:
+            return []
+        movable = [r for r in self._first_frame if self._at_rest(r)]
+        movable.sort(key=lambda r: (not self.settled(r, now, period_s), -r.frames))
+        moved = []
+        for request in movable[:wanted]:
+            above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
+            if not above:
+                break
+            moved.append(self._move(request, min(above)))
+            heapq.heappush(self._free_slots, moved[-1][1])
+        return moved
+
+    def _at_rest(self, request: RequestState) -> bool:
+        """Whether nothing queued on the device may still write a live request's slot: it has made a frame,
+        has none in flight, and its last text feed ran before a step that has completed."""
+        return (
+            request.finish_reason is None
+            and request.frames_launched == request.frames > 0
+            and request.fed_before_step <= self._completed_steps
+        )
+
+    def _move(self, request: RequestState, new: int) -> tuple[RequestState, int, int]:
+        """Take free slot `new` for a request in a first-frame slot; its old slot is the caller's to free."""
+        self._free_slots.remove(new)
+        heapq.heapify(self._free_slots)
+        old = request.slot
+        assert old is not None
+        del self.running[old]
+        self.running[new] = request
+        request.slot = new
+        self._first_frame.remove(request)
+        return request, old, new
 
     def _stepping(self) -> int:
         """Streams that have had a frame step and are not finished: the rows of the next step."""
@@ -230,8 +294,8 @@ class Scheduler:
     def prefill_plans(self) -> list[PrefillPlan]:
         """Prompt pieces ready to run: heads of admitted requests, and bodies whose text is final enough."""
         plans: list[PrefillPlan] = []
-        for request in self.running.values():
-            if request.body_done or request.finish_reason is not None:
+        for request in self._prompting:
+            if request.finish_reason is not None:
                 continue
             if len(plans) >= self.max_prefill_rows:
                 break
@@ -249,14 +313,17 @@ class Scheduler:
             request.body_done = True
             request.prefill_done = now
             request.consumed = len(plan.body_ids)
+            self._prompting.pop(request, None)
+            self._new_text[request] = None  # its text past the body, the end, or a first frame to speculate
 
     def text_feeds(self) -> list[tuple[RequestState, list[int]]]:
         """Newly final text (and the text's end, once closed) to append to running requests' text tracks,
         and the tentative second token of a request whose first frame may run on it (`speculated` is set)."""
         feeds = []
-        for request in self.running.values():
-            if not request.body_done or request.finish_reason is not None:
-                continue
+        pending, self._new_text = self._new_text, {}
+        for request in pending:
+            if not request.body_done or request.finish_reason is not None or request.slot is None:
+                continue  # a body not prefilled yet is marked again once it is (`on_prefilled`)
             ids = request.text_ids[request.consumed :]
             request.consumed = len(request.text_ids)
             if request.closed and not request.eos_fed:
@@ -286,6 +353,7 @@ class Scheduler:
 
     def on_fed(self, request: RequestState, ids: Sequence[int]) -> None:
         request.track_len += len(ids)
+        request.fed_before_step = self._launched_steps + 1
         if request.closed:
             request.eos_fed = True
 
@@ -309,10 +377,10 @@ class Scheduler:
         streams stepping or more), unless it carries a new stream's first frame, which never waits for a tick."""
         return bool(self.pace_load) and len(rows) >= self.pace_load and all(r.frames_launched for r in rows)
 
-    def pace_release(self, rows: Sequence[RequestState], period_s: float) -> float:
+    def pace_release(self, rows: Sequence[RequestState], period_s: float, margin_s: float = PACE_MARGIN_S) -> float:
         """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still
-        gives every stream its next chunk's missing frames, one step each, and `PACE_MARGIN_S` for the last
-        step and the decode, before that chunk's deadline; infinity if no stream presses. A step takes the
+        gives every stream its next chunk's missing frames, one step each, and `margin_s` for the last step
+        and the decode, before that chunk's deadline; infinity if no stream presses. A step takes the
         device's recent step time (`record_step_time`; a period before any was measured, and at most one):
         a released step's successors are released by the same rule, one step later each, so a pressed
         stream's frames go back to back rather than one a tick."""
@@ -324,41 +392,68 @@ class Scheduler:
                 continue
             missing = request.next_chunk_frames - len(request.pending) - (request.frames_launched - request.frames)
             if missing > 0:
-                release = min(release, deadline - missing * step_s - PACE_MARGIN_S)
+                release = min(release, deadline - missing * step_s - margin_s)
         return release
+
+    def early_release(self, rows: Sequence[RequestState], now: float, period_s: float) -> float:
+        """Until when a batched step of `rows` waits for new streams stepping in their first-frame slots
+        (`first_frame_rows`): while one of them is, the release of the other rows by `pace_release` with
+        `EARLY_HOLD_MARGIN_S`; minus infinity while none is (the step need not wait)."""
+        early = [r for r in self._first_frame if self._stepping_early(r, now, period_s)]
+        if not early:
+            return -math.inf
+        return self.pace_release([r for r in rows if r not in early], period_s, EARLY_HOLD_MARGIN_S)
+
+    def _stepping_early(self, request: RequestState, now: float, period_s: float) -> bool:
+        """Whether a request in a first-frame slot has a frame there in flight or one to run (`first_frame_rows`)."""
+        in_flight = request.frames_launched > request.frames
+        return in_flight or (self._can_step(request) and not self.settled(request, now, period_s))
+
+    def settled(self, request: RequestState, now: float, period_s: float) -> bool:
+        """Whether batched steps, one frame each (the device's step time, at least the clock's `period_s`),
+        would make a stream's next chunk with `EARLY_HOLD_MARGIN_S` and a step to spare before its listener
+        runs out of the audio cut so far (counted from now while its first chunk is on its way). A stream
+        with a frame in flight or none made yet is not (what it lacks is not known yet)."""
+        if request.frames == 0 or request.frames_launched > request.frames:
+            return False
+        step_s = max(period_s, self.stats.step_seconds)
+        start = request.first_audio if request.first_audio is not None else now
+        runs_out = start + request.pending_start * FRAME_SECONDS
+        missing = max(0, request.next_chunk_frames - len(request.pending))
+        return now + (missing + 1) * step_s + EARLY_HOLD_MARGIN_S <= runs_out
 
     def first_frame_in_flight(self, rows: Sequence[RequestState]) -> bool:
         """Whether a stream among `rows` has its first frame on the device (queued, not yet read back)."""
         return any(r.frames == 0 and r.frames_launched for r in rows)
 
-    def first_frame_rows(self) -> list[RequestState]:
-        """Requests in first-frame slots whose first frame can run now, in a step of those slots alone."""
-        return [r for r in self._first_frame if r.frames_launched == 0 and self._can_step(r)]
+    def first_frame_rows(self, now: float, period_s: float) -> list[RequestState]:
+        """Requests in first-frame slots whose next frame can run now, in a step of those slots alone: new
+        streams not yet `settled`, one frame in flight each."""
+        return [
+            r for r in self._first_frame
+            if r.frames_launched == r.frames and self._can_step(r) and not self.settled(r, now, period_s)
+        ]
 
-    def moves(self) -> list[tuple[RequestState, int, int]]:
-        """Move every request in a first-frame slot that has had its first frame to the lowest free slot above
-        those slots: (request, old slot, new slot) for the caller to copy its state, before the next step,
-        which must follow at once (the old slot is reused once that step has completed). A request stays
-        where it is while no such slot is free."""
+    def moves(self, now: float, period_s: float) -> list[tuple[RequestState, int, int]]:
+        """Move every request in a first-frame slot that is `settled`, or has made a frame and waits for text
+        (it would keep the slot from new streams), to the lowest free slot above those slots:
+        (request, old slot, new slot) for the caller to copy its state, before the next step, which must
+        follow at once (the old slot is reused once that step has completed). A request stays where it is
+        while no such slot is free."""
         moved = []
         for request in list(self._first_frame):
-            if request.frames_launched == 0:
+            if not (self.settled(request, now, period_s) or self._waits_for_text(request)):
                 continue
             above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
             if not above:
                 break
-            new = min(above)
-            self._free_slots.remove(new)
-            heapq.heapify(self._free_slots)
-            old = request.slot
-            assert old is not None
-            del self.running[old]
-            self.running[new] = request
-            request.slot = new
-            self._quarantine.append((self._launched_steps + 1, old))
-            self._first_frame.remove(request)
-            moved.append((request, old, new))
+            moved.append(self._move(request, min(above)))
+            self._quarantine.append((self._launched_steps + 1, moved[-1][1]))
         return moved
+
+    def _waits_for_text(self, request: RequestState) -> bool:
+        """Whether a request has made its frames so far, none in flight, and cannot step for want of text."""
+        return request.frames_launched == request.frames > 0 and not self._can_step(request)
 
     def on_launched(self, rows: Sequence[RequestState]) -> int:
         """A step with these rows was queued on the device; returns its sequence number."""

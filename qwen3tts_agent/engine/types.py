@@ -106,6 +106,7 @@ class ChunkTimings:
     prefill_done: float
     first_frame: float
     ready: float
+    admitted: float = 0.0  # when the engine gave the request a slot (0: not told)
 
 
 @dataclass(frozen=True)

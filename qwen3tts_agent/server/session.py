@@ -68,9 +68,12 @@ class _Utterance:
 
 
 def first_chunk_stages(timings: Any, sent: float) -> dict[str, float]:
-    """Where a first chunk's time went, in ms: the prompt, the first frame, its audio decode, the way out."""
+    """Where a first chunk's time went, in ms: the wait for a slot, the prompt, the first frame, its audio
+    decode, the way out."""
+    admitted = timings.admitted or timings.submitted
     return {
-        "prompt": 1000 * (timings.prefill_done - timings.submitted),
+        "admission": 1000 * (admitted - timings.submitted),
+        "prompt": 1000 * (timings.prefill_done - admitted),
         "first_frame": 1000 * (timings.first_frame - timings.prefill_done),
         "decode": 1000 * (timings.ready - timings.first_frame),
         "delivery": 1000 * (sent - timings.ready),
