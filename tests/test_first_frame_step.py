@@ -89,7 +89,7 @@ def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes
 
     def spy(now: float, period_s: float) -> list:  # type: ignore[type-arg]
         moves = make_room(now, period_s)
-        made_room.extend(old for _, old, _ in moves)
+        made_room.extend(move.old for move in moves)
         return moves
 
     engine.core.scheduler.make_room = spy  # type: ignore[method-assign]

@@ -167,6 +167,25 @@ def test_a_frame_in_flight_for_an_ended_stream_is_dropped_and_its_slot_waits_for
     assert [x.slot for x in scheduler.admit(0.05)] == [0]
 
 
+def test_a_stream_ended_at_its_frame_limit_frees_its_slot_while_a_step_without_it_is_in_flight() -> None:
+    scheduler = make_scheduler(max_slots=2)
+    short, other = make_request("short", max_frames=2), make_request("other")
+    start(scheduler, short, [5, 6])
+    start(scheduler, other, [5, 6])
+    step(scheduler, 0.0)
+    last = scheduler.runnable()
+    seq = scheduler.on_launched(last)  # short's last frame
+    assert scheduler.runnable() == [other]  # its limit is reached: the next step has other alone
+    after = scheduler.on_launched([other])
+    codes, finished = np.zeros((2, 16), dtype=np.int64), np.zeros(2)
+    scheduler.on_frame(last, [r.slot for r in last], codes, finished, 0.01)
+    scheduler.on_step_done(seq)
+    assert short.finish_reason is FinishReason.MAX_FRAMES
+    scheduler.add(make_request("next"))
+    assert [x.slot for x in scheduler.admit(0.02)] == [0]  # step `after` is in flight, but never held slot 0
+    scheduler.on_step_done(after)
+
+
 def test_cancel_frees_the_slot_at_once_when_no_step_is_in_flight() -> None:
     scheduler = make_scheduler(max_slots=1)
     r = make_request("r")
@@ -594,8 +613,11 @@ def test_a_first_frame_slot_stream_stays_while_no_slot_above_is_free() -> None:
 
 def test_a_nearly_full_engine_makes_room_in_the_first_frame_slots_for_the_next_arrival() -> None:
     """Every slot taken: a slot frees only when a stream ends, and the next arrival would take it. `make_room`
-    moves a stream that nothing on the device may still write out of its first-frame slot into the freed one,
-    and the arrival takes the first-frame slot at once."""
+    moves a stream out of its first-frame slot into the freed one, and the arrival takes the first-frame slot
+    at once: a stream that nothing queued on the device may still write first (copied on the prompts' lane),
+    else one with a text feed or a frame in flight (copied behind them on the steps' stream)."""
+    from qwen3tts_agent.engine.scheduler import SlotMove
+
     scheduler = make_scheduler(max_slots=6, max_prefill_rows=8, first_frame_slots=2)
     light = [make_request(f"light{i}") for i in range(2)]
     for r in light:
@@ -614,12 +636,19 @@ def test_a_nearly_full_engine_makes_room_in_the_first_frame_slots_for_the_next_a
     late = make_request("late")
     scheduler.add(late)
     scheduler.close_input(late, [5, 6])
-    scheduler.on_fed(new[1], [7])  # a text feed queued for new1 after the last step: it may still write slot 1
+    scheduler.on_fed(new[0], [7])  # a text feed queued for new0 after the last step: it may still write slot 0
     moves = scheduler.make_room(0.04, 0.02)
-    assert moves == [(new[0], 0, 2)] and new[0].slot == 2 and scheduler.running[2] is new[0]
-    assert scheduler.admit(0.04) == [late] and late.slot == 0  # at once: the move is copied before its set-up
-    assert scheduler.first_frame_rows(0.04, 0.02) == [new[1]]  # late's prompt is not prefilled yet
+    assert moves == [SlotMove(new[1], 1, 2, after_steps=False)] and scheduler.running[2] is new[1]
+    assert scheduler.admit(0.04) == [late] and late.slot == 1  # at once: the move is copied before its set-up
     assert scheduler.make_room(0.04, 0.02) == []  # nobody waits
+
+    step(scheduler, 0.05, eos={3})  # busy1 ends
+    later = make_request("later")
+    scheduler.add(later)
+    scheduler.close_input(later, [5, 6])
+    scheduler.on_launched(scheduler.runnable())  # a step in flight with new0 and late
+    assert scheduler.make_room(0.06, 0.02) == [SlotMove(new[0], 0, 3, after_steps=True)]
+    assert [r.slot for r in scheduler.admit(0.06)] == [0]
 
 
 def test_make_room_moves_nobody_below_the_load_or_while_a_first_frame_slot_is_free() -> None:

@@ -325,12 +325,22 @@ class EngineCore:
         """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
         now = time.perf_counter()
         moved = self.scheduler.make_room(now, self.pacer.step_period_s)
+        copied = None
+        for move in moved:  # behind the steps that may still write the old slot, on their stream
+            if move.after_steps:
+                self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
+                if self._prefill_stream is not None:
+                    copied = torch.cuda.Event()
+                    copied.record()
         admitted = self.scheduler.admit(now)
         plans = [] if admitted else self.scheduler.prefill_plans()
         if moved or admitted or plans:
             with self._lane(self._prefill_stream):
-                for request, old, new in moved:  # before the set-ups: a new request may take an old slot
-                    self.runner.move_slot(old, new, request.position, request.track_len)
+                if copied is not None:  # a new request may take a slot copied on the steps' stream
+                    torch.cuda.current_stream().wait_event(copied)
+                for move in moved:  # the others at once, before the set-ups
+                    if not move.after_steps:
+                        self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
                 for request in admitted:
                     self._guarded(request, self._set_up, request)
                 if admitted:  # after the set-up: a head copied from the prefix store needs no prefill

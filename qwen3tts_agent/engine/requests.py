@@ -86,6 +86,7 @@ class RequestState:
     track_len: int = 0  # text-track tokens handed to the runner
     eos_fed: bool = False
     fed_before_step: int = 0  # its last text feed runs on the device before this step (the scheduler's count)
+    last_step: int = 0  # the last step it was a row of
     position: int = 0  # talker cache length, mirrored on the host to size attention without a sync
     frames: int = 0  # frames received
     frames_launched: int = 0  # frames queued on the device (may run one step ahead)

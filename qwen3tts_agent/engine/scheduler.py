@@ -39,6 +39,7 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,6 +63,18 @@ MIN_STEP_RATE_OVER_REAL_TIME = 1.5
 # ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
 LATE_WINDOW_S = 1.0
 LATE_CHUNKS_TO_SHED = 3
+
+
+class SlotMove(NamedTuple):
+    """A request's state to copy from slot `old` to slot `new` (`Scheduler.make_room`), before a new request
+    takes `old`. `after_steps`: steps queued may still write `old` (a frame or a text feed of the request in
+    flight), so the copy goes on the steps' stream behind them and the prompts' lane waits for it on the
+    device; otherwise the prompts' lane copies it at once."""
+
+    request: RequestState
+    old: int
+    new: int
+    after_steps: bool
 
 
 @dataclass
@@ -207,17 +220,23 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def _release(self, request: RequestState) -> None:
-        """Give the slot back, for reuse once no step in flight can hold it."""
+        """Give the slot back, for reuse once no step in flight can hold it: once the last step the request was
+        a row of has completed (every step queued, if text was fed to it after that one). A stream that ended
+        at its frame limit had no frame launched past its last, so its slot is free at once, though the step
+        after that one is in flight."""
         self._prompting.pop(request, None)
         self._new_text.pop(request, None)
         if request in self._first_frame:
             self._first_frame.remove(request)
         if request.slot is not None:
             self.running.pop(request.slot, None)
-            if self._launched_steps <= self._completed_steps:
+            last = request.last_step
+            if request.fed_before_step > last:  # text fed after its last step: every step queued since
+                last = self._launched_steps
+            if last <= self._completed_steps:
                 heapq.heappush(self._free_slots, request.slot)
             else:
-                self._quarantine.append((self._launched_steps, request.slot))
+                self._quarantine.append((last, request.slot))
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -241,29 +260,31 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def make_room(self, now: float, period_s: float) -> list[tuple[RequestState, int, int]]:
+    def make_room(self, now: float, period_s: float) -> list[SlotMove]:
         """Under load, with requests waiting and every first-frame slot taken: move streams out of first-frame
         slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
         still take first-frame slots when the engine is nearly full (a free slot then appears only when a
-        stream ends, and the next arrival would take it). Only streams that nothing queued on the device may
-        still write move (`_at_rest`), `settled` ones and the furthest along first. Returns (request, old slot, new slot): the caller
-        copies their state on the prompts' lane before it sets up any new request there, so the old slot is
-        free at once (nothing queued on the device reads it as a live row)."""
+        stream ends, and the next arrival would take it). Streams that have had a first frame move, those
+        that nothing queued on the device may still write (`_at_rest`) first, then `settled` ones, then the
+        furthest along. The old slot is free at once: the caller copies the state before it sets up any new
+        request on the prompts' lane (`SlotMove`)."""
         if not (self.first_frame_slots and self.waiting and self._free_slots):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
         wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
         if wanted <= 0 or self._stepping() < self.first_frame_load:
             return []
-        movable = [r for r in self._first_frame if self._at_rest(r)]
-        movable.sort(key=lambda r: (not self.settled(r, now, period_s), -r.frames))
+        movable = [r for r in self._first_frame if r.frames_launched and r.finish_reason is None]
+        movable.sort(key=lambda r: (not self._at_rest(r), not self.settled(r, now, period_s), -r.frames))
         moved = []
         for request in movable[:wanted]:
             above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
             if not above:
                 break
-            moved.append(self._move(request, min(above)))
-            heapq.heappush(self._free_slots, moved[-1][1])
+            at_rest = self._at_rest(request)
+            _, old, new = self._move(request, min(above))
+            moved.append(SlotMove(request, old, new, after_steps=not at_rest))
+            heapq.heappush(self._free_slots, old)
         return moved
 
     def _at_rest(self, request: RequestState) -> bool:
@@ -461,6 +482,7 @@ class Scheduler:
         for request in rows:
             request.position += 1
             request.frames_launched += 1
+            request.last_step = self._launched_steps
         return self._launched_steps
 
     def steps_can_wait(self, rows: Sequence[RequestState], now: float) -> bool:

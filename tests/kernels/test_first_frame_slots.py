@@ -1,10 +1,11 @@
 """New streams through the first-frame slots on a GPU, with the engine full: every stream keeps its codes.
 
 Under load a new stream steps in a first-frame slot, in steps of those slots alone, then moves above them:
-between steps on the steps' stream (`Scheduler.moves`), or, while every slot is taken, on the prompts' lane
-right before a new request takes the slot it leaves (`Scheduler.make_room`). Both copies race nothing only
-if the lanes are ordered as the scheduler assumes; in fp32 (TF32 off) each stream's greedy codes must then
-be those it makes alone. Only the GPU has the lanes, so this runs with `pytest -m gpu tests/kernels`.
+between steps on the steps' stream (`Scheduler.moves`), or, while every slot is taken, right before a new
+request takes the slot it leaves (`Scheduler.make_room`: on the prompts' lane, or on the steps' stream behind
+a frame in flight with the prompts' lane waiting for it). The copies race nothing only if the lanes are
+ordered as the scheduler assumes; in fp32 (TF32 off) each stream's greedy codes must then be those it makes
+alone. Only the GPU has the lanes, so this runs with `pytest -m gpu tests/kernels`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_streams_through_first_frame_slots_of_a_full_engine_make_their_codes_alo
 
     def recorded(self: Scheduler, now: float, period_s: float) -> Any:
         moves = make_room(self, now, period_s)
-        made_room.extend(old for _, old, _ in moves)
+        made_room.extend(move.old for move in moves)
         return moves
 
     monkeypatch.setattr(Scheduler, "make_room", recorded)
