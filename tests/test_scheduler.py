@@ -651,6 +651,28 @@ def test_a_nearly_full_engine_makes_room_in_the_first_frame_slots_for_the_next_a
     assert [r.slot for r in scheduler.admit(0.06)] == [0]
 
 
+def test_make_room_also_moves_a_stream_admitted_to_a_low_slot_below_the_load() -> None:
+    scheduler = make_scheduler(max_slots=4, max_prefill_rows=8, first_frame_slots=2)
+    light = [make_request(f"light{i}") for i in range(2)]
+    for r in light:
+        start(scheduler, r, [5, 6])
+    assert [r.slot for r in light] == [0, 1]  # below the load: to stay
+    step(scheduler, 0.0)
+    busy = [make_request(f"busy{i}") for i in range(2)]
+    for r in busy:
+        start(scheduler, r, [5, 6])
+    step(scheduler, 0.01, eos={2})  # busy0 ends: slot 2 is the only free one
+    new = make_request("new")
+    scheduler.add(new)
+    scheduler.close_input(new, [5, 6])
+    moves = scheduler.make_room(0.02, 0.02)
+    assert [(m.request.request_id, m.old, m.new) for m in moves] == [("light0", 0, 2)]
+    assert scheduler.admit(0.02) == [new] and new.slot == 0
+    assert scheduler.first_frame_rows(0.02, 0.02) == []  # its prompt first
+    _prefill_all(scheduler, 0.02)
+    assert scheduler.first_frame_rows(0.02, 0.02) == [new]
+
+
 def test_make_room_moves_nobody_below_the_load_or_while_a_first_frame_slot_is_free() -> None:
     scheduler = make_scheduler(max_slots=6, max_prefill_rows=8, first_frame_slots=2, first_frame_load=4)
     running = [make_request(f"r{i}") for i in range(3)]

@@ -47,7 +47,7 @@ class CoreStats:
     cancels: int = 0
     errors: int = 0
     steps: int = 0  # batched frame steps launched (frames_generated / steps is the mean batch)
-    first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (Scheduler's first-frame slots)
+    first_frame_steps: int = 0  # ... of them, steps of the first-frame slots alone (new streams' early frames, Scheduler)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes
     clock_releases: int = 0  # paced steps that went before the clock's tick, for a stream's next chunk
     first_audio_holds: int = 0  # steps that waited for a new stream's first frame and first chunk

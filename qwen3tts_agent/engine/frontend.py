@@ -102,7 +102,7 @@ class EngineStats:
     cancels: int
     errors: int
     steps: int  # batched frame steps launched (frames_generated / steps is the mean batch)
-    first_frame_steps: int = 0  # ... of them, steps of new streams' first frames alone (`Engine(first_frame_step=)`)
+    first_frame_steps: int = 0  # ... of them, steps of new streams' early frames alone (`Engine(first_frame_step_load=)`)
     steps_deferred: int = 0  # turns in which a step waited for urgent audio decodes (deadline-aware pacing)
     clock_releases: int = 0  # steps that went before the step clock's tick for a stream's deadline (`step_period_s`)
     first_audio_holds: int = 0  # steps that waited for a new stream's first frame and chunk (`step_period_s`, `first_audio_alone`)

@@ -3,13 +3,14 @@
 The core's loop asks it once a turn to launch and to collect. Launching decides whether a step goes now: a
 step of the first-frame slots alone for new streams under load; a batched step of every runnable stream
 when the pacer says the device is about to need one, which under load also waits for the step clock's
-tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), and while
-urgent codec work has the device, each unless a stream's next chunk would then be late. Collecting reads
-the steps that have completed back into the scheduler and starts decoding the chunks that are due.
+tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), while new
+streams step in the first-frame slots (by a wider margin), and while urgent codec work has the device, each
+unless a stream's next chunk would then be late. Collecting reads the steps that have completed back into
+the scheduler and starts decoding the chunks that are due.
 
 It holds no request state of its own (that is the `Scheduler`'s) and no device work (that is `FrameSteps`'s
-and the `AudioPipeline`'s): only the two facts that last from one turn to the next, until when a held step
-may wait and whether it waited for a new stream's audio.
+and the `AudioPipeline`'s): only the facts that last from one turn to the next, until when a held step may
+wait and whether it waited for a new stream's audio.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class StepLauncher:
         return True
 
     def _move_settled(self, now: float) -> None:
-        """Move the streams that leave the first-frame slots (`Scheduler.moves`); a step must follow at once."""
+        """Move the streams that leave the first-frame slots (`Scheduler.moves`): copies on the steps' stream,
+        so the steps queued next find them at their new slots."""
         for request, old, new in self.scheduler.moves(now, self.pacer.step_period_s):
             self.runner.move_slot(old, new, request.position, request.track_len)
 

@@ -264,7 +264,8 @@ class Scheduler:
         """Under load, with requests waiting and every first-frame slot taken: move streams out of first-frame
         slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
         still take first-frame slots when the engine is nearly full (a free slot then appears only when a
-        stream ends, and the next arrival would take it). Streams that have had a first frame move, those
+        stream ends, and the next arrival would take it). Streams in those slots that have had a first frame
+        (also those admitted there below the load, which would stay) move, those
         that nothing queued on the device may still write (`_at_rest`) first, then `settled` ones, then the
         furthest along. The old slot is free at once: the caller copies the state before it sets up any new
         request on the prompts' lane (`SlotMove`)."""
@@ -274,7 +275,8 @@ class Scheduler:
         wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
         if wanted <= 0 or self._stepping() < self.first_frame_load:
             return []
-        movable = [r for r in self._first_frame if r.frames_launched and r.finish_reason is None]
+        low = (self.running.get(slot) for slot in range(self.first_frame_slots))  # also streams admitted below the load
+        movable = [r for r in low if r is not None and r.frames_launched and r.finish_reason is None]
         movable.sort(key=lambda r: (not self._at_rest(r), not self.settled(r, now, period_s), -r.frames))
         moved = []
         for request in movable[:wanted]:
@@ -305,7 +307,8 @@ class Scheduler:
         del self.running[old]
         self.running[new] = request
         request.slot = new
-        self._first_frame.remove(request)
+        if request in self._first_frame:
+            self._first_frame.remove(request)
         return request, old, new
 
     def _stepping(self) -> int:
@@ -458,9 +461,9 @@ class Scheduler:
     def moves(self, now: float, period_s: float) -> list[tuple[RequestState, int, int]]:
         """Move every request in a first-frame slot that is `settled`, or has made a frame and waits for text
         (it would keep the slot from new streams), to the lowest free slot above those slots:
-        (request, old slot, new slot) for the caller to copy its state, before the next step, which must
-        follow at once (the old slot is reused once that step has completed). A request stays where it is
-        while no such slot is free."""
+        (request, old slot, new slot) for the caller to copy its state on the steps' stream before the next
+        step (the old slot is reused once the step queued after the copy has completed). A request stays
+        where it is while no such slot is free."""
         moved = []
         for request in list(self._first_frame):
             if not (self.settled(request, now, period_s) or self._waits_for_text(request)):
