@@ -227,7 +227,7 @@ async def test_openai_speech_streams_pcm_and_wav(server: RunningServer) -> None:
         pcm = b"".join(pieces)
         assert len(pieces) >= 2 and len(pcm) > 0 and len(pcm) % (FRAME * 2) == 0
         # where the first chunk's time went, in order, each stage a real span
-        assert list(stages) == ["request", "admission", "prompt", "first_frame", "decode", "delivery"]
+        assert list(stages) == ["request", "handoff", "admission", "prompt", "first_frame", "decode", "delivery"]
         assert all(v >= 0 for v in stages.values()) and stages["first_frame"] > 0
 
         response = await client.post(

@@ -294,6 +294,7 @@ class EngineCore:
         request = RequestState(
             message.request_id, shape, message.chunk_schedule, message.submitted,
             max_frames=message.sampling.max_frames, runaway_guard=not message.sampling.ignore_eos,
+            arrived=time.perf_counter(),
         )
         self.scheduler.add(request)
         self._specs[request.request_id] = spec
@@ -439,7 +440,9 @@ class EngineCore:
         now = time.perf_counter()
         self.scheduler.on_delivered(plan, now)
         self.launcher.replan()
-        timings = ChunkTimings(request.submitted, request.prefill_done, request.first_frame, now, request.admitted_at)
+        timings = ChunkTimings(
+            request.submitted, request.prefill_done, request.first_frame, now, request.admitted_at, request.arrived
+        )
         output = ChunkOutput(
             request.request_id, pcm.copy(), plan.frame_start, plan.frame_start + plan.n_frames, plan.is_last, timings
         )

@@ -78,6 +78,7 @@ class RequestState:
     may_speculate: bool = True  # False after a wrong speculation: the restarted request waits for final text
     closed: bool = False
     slot: int | None = None
+    arrived: float = 0.0  # when the core took its AddRequest off its queue
     admitted_at: float = 0.0
     text_ready: float = 0.0  # when the core had the text its first frame needs (`PromptShape.first_frame_ready`)
     head_done: bool = False

@@ -201,7 +201,7 @@ class Scheduler:
             request.request_id, request.shape, request.chunk_schedule, request.submitted,
             max_frames=request.max_frames, runaway_guard=request.runaway_guard, text_ids=list(request.text_ids),
             tentative=list(request.tentative), may_speculate=False, closed=request.closed,
-            admitted_at=request.admitted_at, text_ready=request.text_ready,
+            arrived=request.arrived, admitted_at=request.admitted_at, text_ready=request.text_ready,
         )
         request.finish_reason = FinishReason.CANCELLED
         self._release(request)

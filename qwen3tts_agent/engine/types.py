@@ -107,6 +107,7 @@ class ChunkTimings:
     first_frame: float
     ready: float
     admitted: float = 0.0  # when the engine gave the request a slot (0: not told)
+    arrived: float = 0.0  # when the engine's loop took the request in (0: not told)
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,14 @@ class _Utterance:
 
 
 def first_chunk_stages(timings: Any, sent: float) -> dict[str, float]:
-    """Where a first chunk's time went, in ms: the wait for a slot, the prompt, the first frame, its audio
-    decode, the way out."""
-    admitted = timings.admitted or timings.submitted
+    """Where a first chunk's time went, in ms: the way to the engine's loop (another process's, with an
+    engine core process), the wait there for a slot, the prompt, the first frame, its audio decode, the way
+    out."""
+    arrived = timings.arrived or timings.submitted
+    admitted = timings.admitted or arrived
     return {
-        "admission": 1000 * (admitted - timings.submitted),
+        "handoff": 1000 * (arrived - timings.submitted),
+        "admission": 1000 * (admitted - arrived),
         "prompt": 1000 * (timings.prefill_done - admitted),
         "first_frame": 1000 * (timings.first_frame - timings.prefill_done),
         "decode": 1000 * (timings.ready - timings.first_frame),
