@@ -17,9 +17,9 @@ flight and then a whole step of its own. Under load (`first_frame_load` streams 
 stream therefore takes one of the lowest `first_frame_slots` slots, and its frames run in steps of those
 slots alone (`first_frame_rows`), queued right behind the step in flight, until batched steps can keep up
 with it: until the frames its next chunk lacks, one batched step each, would leave it `EARLY_HOLD_MARGIN_S`
-and a step to spare before its listener runs out (`settled`). On a lightly loaded device that is after its
-first frame; where a batched step takes longer (hundreds of rows), a few frames later, since its 2-frame
-second chunk is due 80 ms after the first. Its state then moves to a slot above them (`moves`), which frees
+and a step to spare before its listener runs out (`settled`). On a lightly loaded device that is after three
+frames; where a batched step takes longer (hundreds of rows), a few more, since its 2-frame second chunk is
+due 80 ms after the first. Its state then moves to a slot above them (`moves`), which frees
 its first-frame slot for the next arrival. While new streams step there, batched steps wait for them as long
 as every other stream's next chunk stays that margin ahead of its deadline (`early_release`): the streams
 seconds ahead of their listeners give the device to those just starting.
@@ -264,11 +264,11 @@ class Scheduler:
         """Under load, with requests waiting and every first-frame slot taken: move streams out of first-frame
         slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
         still take first-frame slots when the engine is nearly full (a free slot then appears only when a
-        stream ends, and the next arrival would take it). Streams in those slots that have had a first frame
-        (also those admitted there below the load, which would stay) move, those
-        that nothing queued on the device may still write (`_at_rest`) first, then `settled` ones, then the
-        furthest along. The old slot is free at once: the caller copies the state before it sets up any new
-        request on the prompts' lane (`SlotMove`)."""
+        stream ends, and the next arrival would take it). Any stream in those slots that has had a first frame
+        may move (also one admitted there below the load, which would stay): first those that nothing queued
+        on the device may still write (`_at_rest`), then `settled` ones, then the furthest along. The old slot
+        is free at once: the caller copies the state before it sets up any new request on the prompts' lane
+        (`SlotMove`)."""
         if not (self.first_frame_slots and self.waiting and self._free_slots):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
