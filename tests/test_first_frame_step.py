@@ -54,10 +54,11 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
         alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
                  for n in (8, 40, 24)}
         before = engine.stats()
-        short = [_run(engine, voice, 8) for _ in range(slots)]  # the lowest slots, at light load: they stay there
+        short = [_run(engine, voice, 8) for _ in range(slots)]  # the lowest slots, at light load
         first_chunks = short[0].chunks(timeout=120)
         started = [next(first_chunks)]  # they are stepping now
-        long = [_run(engine, voice, 40) for _ in range(slots)]  # under load, no first-frame slot free: above
+        # under load: short streams make room (`make_room`) or the long ones take the slots above
+        long = [_run(engine, voice, 40) for _ in range(slots)]
         short_audio = [_audio(first_chunks, started)] + [_audio(s.chunks(timeout=120)) for s in short[1:]]
         new = [_run(engine, voice, 24) for _ in range(2)]  # the short ones ended: first-frame slots, then above
         new_audio = [_audio(s.chunks(timeout=120)) for s in new]
@@ -66,7 +67,9 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
     finally:
         engine.close()
     assert after.first_frame_steps > before.first_frame_steps, "no first frame ran in a step of its own"
-    assert len(moves) == 2 and all(src < slots and dst >= 2 * slots for src, dst in moves), moves
+    # every move leaves a first-frame slot for one above them (which streams move depends on timing: a stream
+    # leaving after its early frames, or one making room for an arrival)
+    assert moves and all(src < slots <= dst for src, dst in moves), moves
     # the step time the clock's release and the overload check go by is a batched step's: the first-frame
     # steps (a few rows, far quicker under load) are left out of it
     assert len(timed_steps) == len(batched_steps), (len(timed_steps), len(batched_steps))
