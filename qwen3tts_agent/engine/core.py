@@ -326,13 +326,13 @@ class EngineCore:
         """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
         now = time.perf_counter()
         moved = self.scheduler.make_room(now, self.pacer.step_period_s)
+        behind_steps = [move for move in moved if move.after_steps]
+        for move in behind_steps:  # behind the steps that may still write the old slot, on their stream
+            self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
         copied = None
-        for move in moved:  # behind the steps that may still write the old slot, on their stream
-            if move.after_steps:
-                self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
-                if self._prefill_stream is not None:
-                    copied = torch.cuda.Event()
-                    copied.record()
+        if behind_steps and self._prefill_stream is not None:
+            copied = torch.cuda.Event()
+            copied.record()
         admitted = self.scheduler.admit(now)
         plans = [] if admitted else self.scheduler.prefill_plans()
         if moved or admitted or plans:

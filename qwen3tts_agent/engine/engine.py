@@ -50,9 +50,9 @@ AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the s
 # other streams take to cut theirs (8 frames at a few ms a step), well inside the slack of a stream ahead
 # of its listener (a chunk falls due anyway 150 ms before its listener would run out, `audio.LAUNCH_SLACK_S`).
 GPU_CODEC_HOLD_S = 0.05
-# Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest eight is about
-# a lone stream's, and a new stream stays there for a few of its frames (Scheduler.settled), so eight cover the
-# streams starting at once up to about a hundred arrivals a second.
+# Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest eight reads the
+# same weights as a lone stream's (the decode GEMV takes up to 64 rows at once), and a new stream stays there for
+# a few of its frames (Scheduler.settled), so eight leave room for several streams starting at once.
 FIRST_FRAME_SLOTS = 8
 # From how many streams stepping at once batched steps keep to the step clock (`step_period_s`): one stream,
 # or a few, run as fast as the device goes.

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 _AUDIO_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
 # Where a speech response's first chunk spent its time, in ms: the request (its body, checks and slot), then the
-# stages the WebSocket reports in `done` (admission, prompt, first frame, decode, delivery to the response's start).
+# stages the WebSocket reports in `done` (handoff, admission, prompt, first frame, decode, delivery to the
+# response's start).
 FIRST_CHUNK_STAGES_HEADER = "X-First-Chunk-Stages"
 
 
