@@ -9,8 +9,14 @@ plays what it receives at real time from the first PCM on, with no extra buffer:
 its playback starves for more than 10 ms in all. Per rate: a warm-up, then a measured window (requests
 started in it), then a drain.
 
+`--held N` is the closed loop instead: N calls at once, each playing one utterance and, once its listener has
+heard the last of it, asking for the next (starts spread over one utterance: a warm-up of at least that long
+sees them all running). `--back-to-back` asks as soon as the audio is received: N streams generating at
+once, and more playing, the faster the server (the held figures before 2026-12-03 were measured so).
+
     python -m benchmarks.load --model synthetic:1.7b-customvoice --rates 1 20 40 80 --out load.json
     python -m benchmarks.load --url ws://127.0.0.1:8000 --rates 5 --duration 10     # a running server
+    python -m benchmarks.load --model synthetic:0.6b --rates --held 256 --warmup 10 --duration 60
 
 The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window. With
 `--profile SECONDS` (a server started here, py-spy installed), the engine core and every API worker are
@@ -50,6 +56,7 @@ TEXT = (
     "number and the name it was made under, please? Thank you."
 )
 SAMPLE_RATE = 24_000
+FRAME_S = 0.08  # audio per codec frame
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
 BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
 
@@ -64,6 +71,7 @@ class Record:
     audio_s: float = 0.0
     done_s: float | None = None  # flush/request -> last audio
     stall_s: float = 0.0  # total playback starvation after the first PCM
+    played_until: float | None = None  # when its listener has heard the last of it (monotonic)
     stages_ms: dict[str, float] | None = None  # where the first chunk's time went (`done` metrics; an HTTP header)
     error: str | None = None
 
@@ -84,7 +92,8 @@ class ClientPlan:
     frames: int
     api_key: str | None
     start_at: float  # time.monotonic() (CLOCK_MONOTONIC: shared by the processes of one machine)
-    held: int = 0  # closed loop instead: this many streams at once, each followed at once by the next
+    held: int = 0  # closed loop instead: this many streams at once, each followed by the next (`held_loop`)
+    back_to_back: bool = False  # a held stream's next request once its audio is received, not played
     records: list[Record] = field(default_factory=list)
 
 
@@ -103,6 +112,10 @@ class Playback:
             # audio before this chunk runs out at first + audio + stalls so far; arriving later starves
             self.stall_s += max(0.0, now - (self.first + self.audio_s + self.stall_s))
         self.audio_s += samples / SAMPLE_RATE
+
+    def ends_at(self) -> float | None:
+        """When the last audio received so far has played out (None before the first PCM)."""
+        return None if self.first is None else self.first + self.audio_s + self.stall_s
 
 
 async def ws_request(plan: ClientPlan, record: Record) -> None:
@@ -138,7 +151,7 @@ async def ws_request(plan: ClientPlan, record: Record) -> None:
                 record.stages_ms = (body.get("metrics") or {}).get("first_chunk_stages_ms")
                 break
         await ws.send(json.dumps({"type": "close"}))
-        record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
+        record.audio_s, record.stall_s, record.played_until = playback.audio_s, playback.stall_s, playback.ends_at()
 
 
 async def http_request(plan: ClientPlan, record: Record, client: httpx.AsyncClient) -> None:
@@ -164,7 +177,7 @@ async def http_request(plan: ClientPlan, record: Record, client: httpx.AsyncClie
             samples, leftover = divmod(leftover + len(piece), 2)
             playback.receive(now, samples)
     record.done_s = time.monotonic() - sent
-    record.audio_s, record.stall_s = playback.audio_s, playback.stall_s
+    record.audio_s, record.stall_s, record.played_until = playback.audio_s, playback.stall_s, playback.ends_at()
 
 
 async def run_client(plan: ClientPlan) -> list[Record]:
@@ -181,7 +194,9 @@ async def run_client(plan: ClientPlan) -> list[Record]:
 async def _run_requests(plan: ClientPlan, request) -> list[Record]:  # noqa: ANN001
     rng = random.Random(plan.seed)
     if plan.held:
-        await asyncio.gather(*(held_loop(plan, request, rng.uniform(0, 2.0)) for _ in range(plan.held)))
+        # playing streams start spread over one utterance, so that the calls' ends are spread too
+        spread = 2.0 if plan.back_to_back else max(2.0, plan.frames * FRAME_S)
+        await asyncio.gather(*(held_loop(plan, request, rng.uniform(0, spread)) for _ in range(plan.held)))
         return plan.records
     tasks = []
     t = plan.start_at
@@ -201,9 +216,12 @@ async def _run_requests(plan: ClientPlan, request) -> list[Record]:  # noqa: ANN
 
 
 async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: ANN001
-    """One of the streams held at once: a new request as soon as the last one ended (starts spread by `offset`),
-    or `BUSY_RETRY_S` after a refusal, as a client told to "retry shortly" would (a retry at once would turn
-    each refusal into a storm of them)."""
+    """One of the streams held at once, as a call holds it: its next request once its listener has heard the
+    last one (played at real time from its first PCM, stalls included), or with `back_to_back` as soon as its
+    audio was received, which keeps that many streams *generating* at once and, as streams are made faster
+    than real time, several times as many playing; `BUSY_RETRY_S` after a refusal, as a client told to
+    "retry shortly" would (a retry at once would turn each refusal into a storm of them). Starts are spread
+    by `offset`."""
     await asyncio.sleep(max(0.0, plan.start_at + offset - time.monotonic()))
     while time.monotonic() < plan.start_at + plan.duration:
         record = Record(started=time.monotonic(), transport=plan.transport)
@@ -211,6 +229,8 @@ async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: 
         await _guarded(request, plan, record)
         if record.error is not None and "busy" in record.error:
             await asyncio.sleep(BUSY_RETRY_S)
+        elif not plan.back_to_back and record.played_until is not None:
+            await asyncio.sleep(max(0.0, record.played_until - time.monotonic()))
 
 
 async def _guarded(request, plan: ClientPlan, record: Record) -> None:  # noqa: ANN001
@@ -226,6 +246,12 @@ def client_process(plan: ClientPlan, results: multiprocessing.Queue) -> None:  #
 
 def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
+
+
+def mean_overlap(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """How many of `spans` are open at once on average over `window`."""
+    covered = sum(max(0.0, min(end, window[1]) - max(start, window[0])) for start, end in spans)
+    return covered / (window[1] - window[0])
 
 
 def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, object]:
@@ -244,6 +270,8 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
         name: {"p50": pct([s[name] for s in staged], 50), "p95": pct([s[name] for s in staged], 95)}
         for name in (staged[0] if staged else {})
     }
+    generating = [(r.started, r.started + r.done_s) for r in records if r.done_s is not None]
+    playing = [(r.started, r.played_until) for r in records if r.played_until is not None]
     return {
         "requests": len(measured),
         "completed": len(ok),
@@ -254,6 +282,10 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
         "stall_ms_p99": pct([1000 * r.stall_s for r in ok], 99),
         "slowest_stream_rtf": min(rtfs, default=None),
         "errors": errors,
+        # streams at once over the window, on average: in the server (request to last audio), and playing
+        # (request to the end of its playback: a call's span)
+        "mean_streams_generating": mean_overlap(generating, window),
+        "mean_streams_playing": mean_overlap(playing, window),
         # server side, from the engine's timestamps: submit -> prompt done -> first frame -> decoded -> sent
         # (over HTTP, also the request before its submit: body, checks, slot)
         "first_chunk_stages_ms": stages,
@@ -344,7 +376,7 @@ def run_rate(
         context.Process(target=client_process, args=(ClientPlan(
             url, transport, rate / args.clients, total, seed=1000 * i + int(rate * 10), voice=args.voice,
             language=args.language, frames=args.frames, api_key=args.api_key, start_at=start_at,
-            held=held // args.clients + (1 if i < held % args.clients else 0),
+            held=held // args.clients + (1 if i < held % args.clients else 0), back_to_back=args.back_to_back,
         ), results))
         for i in range(args.clients)
     ]
@@ -363,6 +395,7 @@ def run_rate(
     summary = summarize(records, window)
     if held:
         summary["held_streams"] = held
+        summary["held_until"] = "received" if args.back_to_back else "played"
     metrics = {k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)}
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
                    engine=engine_figures(metrics, elapsed), server_metrics=metrics,
@@ -411,6 +444,10 @@ def print_summary(summary: dict[str, object]) -> None:
     print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
           f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
           f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
+    if "held_streams" in summary:
+        print(f"  held until {summary['held_until']}: {summary['achieved_rate_per_s']:.1f} requests/s, streams at once "
+              f"{summary['mean_streams_generating']:.0f} generating, {summary['mean_streams_playing']:.0f} playing",
+              flush=True)
     print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
     engine = {k: None if v is None else round(v, 1) for k, v in summary["engine"].items()}  # type: ignore[attr-defined]
     print(f"  engine: {json.dumps(engine)}", flush=True)
@@ -437,7 +474,10 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--api-key")
     parser.add_argument("--rates", type=float, nargs="*", default=[1.0])
-    parser.add_argument("--held", type=int, nargs="*", default=[], help="closed loop: streams held at once")
+    parser.add_argument("--held", type=int, nargs="*", default=[],
+                        help="closed loop: streams held at once, each followed by the next once it has played")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="a held stream's next request as soon as its audio is received (not played)")
     parser.add_argument("--http-rates", type=float, nargs="*", help="rates for the HTTP transport (default: --rates)")
     parser.add_argument("--transports", nargs="+", default=["ws"], choices=["ws", "http"])
     parser.add_argument("--clients", type=int, default=4, help="client processes")
