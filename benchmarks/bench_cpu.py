@@ -391,7 +391,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "frames_per_stream": args.frames, "text_chars": len(BENCH_TEXT),
         "reference_s": 3.0, "load_average_start": load_average(), "overlap_codec": args.overlap_codec,
-        "chunk_schedule": list(args.chunk_schedule),
+        "chunk_schedule": list(args.chunk_schedule), "pool": args.pool,
+        "spin": os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1",
     }
     try:
         import onnxruntime
@@ -461,9 +462,13 @@ def main() -> None:
                         help="the engine's codec on its loop's thread, after each step (default: a thread of its own)")
     parser.add_argument("--chunk-schedule", type=lambda s: tuple(int(x) for x in s.split(",")), default=DEFAULT_CHUNK_SCHEDULE,
                         help="frames per chunk, the last repeated (the engine's default: 1,2,4,8)")
+    parser.add_argument("--pool", choices=["session", "shared"], default=os.environ.get("QWEN3TTS_CPU_POOL", "session"),
+                        help="ONNX Runtime threads: a pool per graph (an in-process engine's default) or the "
+                             "process's one shared pool (the engine-core process's)")
     parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
     parser.add_argument("--out", type=Path, default=Path("bench_cpu.json"))
     args = parser.parse_args()
+    os.environ["QWEN3TTS_CPU_POOL"] = args.pool  # read by every CpuRunner this run builds
     if args.quick:
         args.frames, args.runs, args.frame_reps, args.concurrent = 12, 1, 3, 2
     report = asyncio.run(main_async(args))

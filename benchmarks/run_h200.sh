@@ -107,13 +107,13 @@ for stage in "$@"; do
                  | tee "$out/load-0.6b${LOAD_TAG:-}.log"
                tar_profile "load-0.6b${LOAD_TAG:-}" ;;
     cpu-0.6b)
-      # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend with
-      # ONNX Runtime's threads spinning between ops (dedicated cores); docs/cpu-backend.md
+      # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend on
+      # ONNX Runtime's one shared pool instead of a pool per graph (dedicated cores); docs/cpu-backend.md
       threads=${CPU_THREADS:-16}
       CUDA_VISIBLE_DEVICES= official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" --micro \
         --agreement --out "$out/cpu-0.6b.json" 2>&1 | tee "$out/cpu-0.6b.log"
-      CUDA_VISIBLE_DEVICES= QWEN3TTS_CPU_SPIN=1 official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" \
-        --backends int8 --out "$out/cpu-0.6b-spin.json" 2>&1 | tee -a "$out/cpu-0.6b.log" ;;
+      CUDA_VISIBLE_DEVICES= official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" \
+        --backends int8 --pool shared --out "$out/cpu-0.6b-shared.json" 2>&1 | tee -a "$out/cpu-0.6b.log" ;;
     engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)

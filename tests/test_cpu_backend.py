@@ -159,6 +159,41 @@ def test_int8_engine_streams_text_batches_and_cancels() -> None:
         engine.close()
 
 
+_POOL_RUN = """
+import json, sys, torch
+torch.set_num_threads(4)  # three graph threads beside the codec's: a pool with threads to share
+from qwen3tts_agent import SamplingParams, Voice
+from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio
+engine = engine_for("synthetic:tiny", max_streams=2, backend="int8")
+runner = engine.core.runner
+voice = Voice(prompt=engine.create_voice(reference_audio(), REF_TEXT))
+codes = [engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams(seed=s, max_frames=16))[1].codes
+         for s in (1, 2)]
+engine.close()
+print(json.dumps({"shared": runner.shared_pool, "threads": runner.threads, "codes": codes}))
+"""
+
+
+def test_int8_on_the_shared_pool_gives_the_codes_of_a_pool_per_graph() -> None:
+    """QWEN3TTS_CPU_POOL=shared puts every graph on ONNX Runtime's one process-wide pool (a process each, as
+    that pool cannot be undone): the same requests give the same codes as with a pool per graph."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = {}
+    for pool in ("session", "shared"):
+        env = {**os.environ, "QWEN3TTS_CPU_POOL": pool}
+        out = subprocess.run([sys.executable, "-c", _POOL_RUN], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[pool] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["session"]["shared"] is False and runs["shared"]["shared"] is True
+    assert runs["shared"]["threads"] == runs["session"]["threads"] > 1
+    assert runs["shared"]["codes"] == runs["session"]["codes"]
+    assert runs["shared"]["codes"][0] != runs["shared"]["codes"][1]  # two seeds: the codes say something
+
+
 # ----------------------------------------------------------------- int4 (opt-in): 4-bit weights
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_projections_read_the_rounded_weights(bits: int) -> None:

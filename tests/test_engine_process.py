@@ -174,3 +174,35 @@ def test_a_burst_of_hellos_gets_one_welcome_and_a_later_hello_another(core: Engi
     finally:
         dealer.close()
         context.term()
+
+
+def test_the_core_process_runs_the_cpu_graphs_on_one_shared_pool() -> None:
+    """On a CPU the core process puts the int8 graphs on ONNX Runtime's shared pool (it runs no other ONNX
+    Runtime sessions, which that pool would refuse); an in-process engine keeps a pool per graph, so that
+    other libraries' sessions in the caller's process (Silero VAD) still load. Both speak the same codes."""
+    address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-int8-core-{os.getpid()}.sock"
+    process = EngineProcess(
+        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 2, "keep_codes": True, "backend": "int8"},
+                   warmup=False),
+        restart=False,
+    )
+    local = engine_for("synthetic:tiny", max_streams=2, backend="int8")
+    process.start(timeout=180)
+    try:
+        client = EngineClient.connect(address, timeout=60)
+        try:
+            deadline = time.monotonic() + 10
+            while not client.stats().kernel_paths and time.monotonic() < deadline:  # the core's stats come every 250 ms
+                time.sleep(0.05)
+            assert client.stats().kernel_paths["talker"] == "onnxruntime (int8, shared pool)"
+            assert local.stats().kernel_paths["talker"] == "onnxruntime (int8)"
+            voice = Voice(prompt=local.create_voice(reference_audio(), "This is my voice."))
+            remote = Voice(prompt=client.create_voice(reference_audio(), "This is my voice."))
+            _, ours = local.synthesize_blocking(TEXT, voice=voice, sampling=GREEDY)
+            _, theirs = client.synthesize_blocking(TEXT, voice=remote, sampling=GREEDY)
+            assert theirs.codes == ours.codes and len(ours.codes) == 8
+        finally:
+            client.close()
+    finally:
+        local.close()
+        process.stop()

@@ -240,9 +240,14 @@ def _stop_with_parent(stop: threading.Event) -> None:
 FRAMEWORKS_OFF = {"USE_TF": "0", "USE_FLAX": "0"}
 
 
+# The CPU backend's graphs share one ONNX Runtime pool here (docs/cpu-backend.md): this process runs no other
+# ONNX Runtime sessions, which that pool would refuse. Unless the user chose otherwise.
+CPU_POOL = {"QWEN3TTS_CPU_POOL": "shared"}
+
+
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
-    for name, value in FRAMEWORKS_OFF.items():
+    for name, value in {**FRAMEWORKS_OFF, **CPU_POOL}.items():
         os.environ.setdefault(name, value)
     transformers_without_scikit_learn()  # after the switches above: transformers reads them at its import
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...engine.runner import ModelRunner, PrefillRow
@@ -47,9 +48,14 @@ class CpuRunner(ModelRunner):
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         threads: int | None = None,
         spin: bool | None = None,
+        shared_pool: bool | None = None,
     ) -> None:
         """`threads`: ONNX Runtime's intra-op threads (default: PyTorch's thread count). `spin`: let them
-        busy-wait between ops (default: the QWEN3TTS_CPU_SPIN environment variable, else off)."""
+        busy-wait between ops (default: the QWEN3TTS_CPU_SPIN environment variable, else off). `shared_pool`:
+        every graph on the process's one shared pool (`session.shared_pool`), whose threads spin between ops,
+        instead of a pool per graph (default: QWEN3TTS_CPU_POOL=shared, which the engine-core process sets;
+        once that pool exists, ONNX Runtime refuses any session with a pool of its own in the process, such
+        as Pipecat's Silero VAD, so an in-process engine keeps a pool per graph)."""
         super().__init__(
             model, max_slots=max_slots, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens,
             top_k_cap=top_k_cap, fused_kernels=False,
@@ -57,19 +63,23 @@ class CpuRunner(ModelRunner):
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ValueError(f"the CPU backend runs float32 models on the CPU, not {self.dtype} on {self.device}")
         self.weight_format = weight_format
-        # what the engine's stats report per stack (`EngineStats.kernel_paths`)
-        self.kernel_paths = {
-            "talker": f"onnxruntime ({weight_format})", "predictor": f"onnxruntime ({weight_format})",
-            "codec": self.kernel_paths["codec"],
-        }
         threads = threads or torch.get_num_threads()
         if spin is None:
             spin = os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1"
-        self.threads, self.spin = threads, spin
-        self._talker = BoundSession(folder / "talker.onnx", threads, spin)
-        self._predictor = BoundSession(folder / "predictor.onnx", threads, spin)
+        if shared_pool is None:
+            shared_pool = os.environ.get("QWEN3TTS_CPU_POOL", "session") == "shared"
+        self.threads, self.spin, self.shared_pool = threads, spin, shared_pool
+        # what the engine's stats report per stack (`EngineStats.kernel_paths`)
+        graphs = f"onnxruntime ({weight_format}{', shared pool' if shared_pool else ''})"
+        self.kernel_paths = {"talker": graphs, "predictor": graphs, "codec": self.kernel_paths["codec"]}
+
+        def session(path: Path) -> BoundSession:
+            return BoundSession(path, threads, spin, shared=shared_pool)
+
+        self._talker = session(folder / "talker.onnx")
+        self._predictor = session(folder / "predictor.onnx")
         heads = sorted(folder.glob("head_*.onnx"), key=lambda p: int(p.stem.split("_")[1]))
-        self._heads = {id(head): BoundSession(path, threads, spin) for head, path in zip(self.p_heads, heads, strict=False)}
+        self._heads = {id(head): session(path) for head, path in zip(self.p_heads, heads, strict=False)}
         # GroupQueryAttention's rotary tables: cos and sin of each position's angles [positions, head_dim / 2]
         half = self.cos.shape[-1] // 2
         self._t_rope = (self.cos[:, :half].contiguous(), self.sin[:, half:].contiguous())
@@ -84,6 +94,11 @@ class CpuRunner(ModelRunner):
         self._p_out = {t: torch.zeros(max_slots, t, p_hidden) for t in (1, 2)}
         self._talker_bindings: dict[int, object] = {}
         self._predictor_bindings: dict[tuple[int, int], object] = {}
+        # the predictor heads' input (the normed hidden state) and logits: one pair for all fifteen, which run
+        # one after the other and whose logits are sampled before the next head runs
+        self._head_in = torch.zeros(max_slots, p_hidden)
+        self._head_out = torch.zeros(max_slots, self.p_heads[0].out_features)
+        self._head_bindings: dict[tuple[int, int], object] = {}
 
     # ----------------------------------------------------------------- bindings (made once per batch size)
     def _stack_inputs(self, caches: tuple[list[torch.Tensor], list[torch.Tensor]], rows: slice) -> dict[str, torch.Tensor]:
@@ -161,15 +176,21 @@ class CpuRunner(ModelRunner):
 
     def _logits(self, x: torch.Tensor, norm: OfficialModule, head: nn.Linear, fused: bool = False) -> torch.Tensor:
         """head(norm(x)); a predictor head is a GEMV of its 8- or 4-bit graph in the int8 and int4 formats
-        (`fused`: unused, no Triton here)."""
+        (`fused`: unused, no Triton here), whose logits are valid until the next head runs.
+
+        There the norm is one `F.rms_norm` into the head's bound input (the official module's six ops cost
+        more than the head itself at batch 1); the fp32 format keeps the official norm, for exact parity."""
         session = self._heads.get(id(head))
-        h = norm(x)
         if session is None:
-            return head(h)
-        h = h.contiguous()
-        logits = torch.empty(h.shape[0], head.out_features)
-        session.run(session.bind({"x": h}, {"y": logits}))
-        return logits
+            return head(norm(x))
+        b = x.shape[0]
+        self._head_in[:b] = F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+        binding = self._head_bindings.get((id(head), b))
+        if binding is None:
+            binding = session.bind({"x": self._head_in[:b]}, {"y": self._head_out[:b]})
+            self._head_bindings[(id(head), b)] = binding
+        session.run(binding)
+        return self._head_out[:b]
 
     # ----------------------------------------------------------------- prompts
     @torch.inference_mode()

@@ -6,26 +6,52 @@ buffers), so a frame re-runs prepared bindings without copying or re-binding any
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: np.int64}
+_shared_pool_threads: int | None = None  # the size of this process's shared pool, once made
 
 
-def session_options(threads: int, spin: bool = False) -> object:
+def shared_pool(threads: int) -> int:
+    """Make this process's shared ONNX Runtime intra-op pool of `threads` threads, once (before any session
+    uses it); returns its size, which later calls cannot change. From then on ONNX Runtime refuses to create
+    any session in this process that asks for a pool of its own (the default of `SessionOptions`)."""
+    global _shared_pool_threads
+    if _shared_pool_threads is None:
+        from onnxruntime.capi import _pybind_state
+
+        _pybind_state.set_global_thread_pool_sizes(threads, 1)
+        _shared_pool_threads = threads
+    elif _shared_pool_threads != threads:
+        logger.warning("ONNX Runtime's shared pool has %d threads; %d asked for", _shared_pool_threads, threads)
+    return _shared_pool_threads
+
+
+def session_options(threads: int, spin: bool = False, shared: bool = False) -> object:
     """One intra-op pool of `threads` threads, sequential execution, all graph optimisations.
 
     `spin`: pool threads busy-wait for the next op instead of sleeping. That saves a wake-up per op on
     dedicated cores, but spinning threads steal the cores from the PyTorch ops between graph calls and from
     other processes, which on a shared machine costs far more (docs/cpu-backend.md).
+    `shared`: the session runs on the process's shared pool (`shared_pool`) instead of a pool of its own, so
+    the talker, the predictor and its fifteen heads, which run one after the other, keep one team of
+    threads between them (ONNX Runtime's shared pool spins between ops, whatever `spin` says).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
+    if shared:  # the pool's size is the shared pool's (sizes given here would be ignored, with a warning)
+        shared_pool(threads)
+        options.use_per_session_threads = False
+    else:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # warnings about unused initializers etc. are noise here
@@ -36,11 +62,12 @@ def session_options(threads: int, spin: bool = False) -> object:
 class BoundSession:
     """An `InferenceSession` on the CPU provider, run through IOBindings over torch tensors."""
 
-    def __init__(self, path: Path, threads: int, spin: bool = False) -> None:
+    def __init__(self, path: Path, threads: int, spin: bool = False, shared: bool = False) -> None:
         import onnxruntime as ort
 
         self.path = path
-        self.session = ort.InferenceSession(str(path), session_options(threads, spin), providers=["CPUExecutionProvider"])
+        options = session_options(threads, spin, shared)
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def bind(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> object:
         """An IOBinding over these tensors (contiguous, on the CPU); they must outlive it."""
