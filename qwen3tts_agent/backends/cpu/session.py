@@ -24,9 +24,9 @@ def shared_pool(threads: int) -> int:
     any session in this process that asks for a pool of its own (the default of `SessionOptions`)."""
     global _shared_pool_threads
     if _shared_pool_threads is None:
-        from onnxruntime.capi import _pybind_state
+        import onnxruntime as ort
 
-        _pybind_state.set_global_thread_pool_sizes(threads, 1)
+        ort.set_global_thread_pool_sizes(threads, 1)  # its threads may spin (ONNX Runtime's default for it)
         _shared_pool_threads = threads
     elif _shared_pool_threads != threads:
         logger.warning("ONNX Runtime's shared pool has %d threads; %d asked for", _shared_pool_threads, threads)
