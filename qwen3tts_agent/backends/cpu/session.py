@@ -18,9 +18,9 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.int32: np.int32, torch.int64: 
 _shared_pool_threads: int | None = None  # the size of this process's shared pool, once made
 
 
-def shared_pool(threads: int) -> int:
+def shared_pool(threads: int) -> None:
     """Make this process's shared ONNX Runtime intra-op pool of `threads` threads, once (before any session
-    uses it); returns its size, which later calls cannot change. From then on ONNX Runtime refuses to create
+    uses it); later calls cannot change its size. From then on ONNX Runtime refuses to create
     any session in this process that asks for a pool of its own (the default of `SessionOptions`)."""
     global _shared_pool_threads
     if _shared_pool_threads is None:
@@ -30,7 +30,6 @@ def shared_pool(threads: int) -> int:
         _shared_pool_threads = threads
     elif _shared_pool_threads != threads:
         logger.warning("ONNX Runtime's shared pool has %d threads; %d asked for", _shared_pool_threads, threads)
-    return _shared_pool_threads
 
 
 def session_options(threads: int, spin: bool = False, shared: bool = False) -> object:
