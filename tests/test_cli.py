@@ -89,3 +89,25 @@ def test_serve_without_the_server_extra_says_how_to_install_it() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "No module named 'fastapi'" in result.stderr and 'pip install "qwen3tts-agent[server]"' in result.stderr
+
+
+def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
+    """`--codec-hold-ms`, `--step-period-ms` and `--first-frame-step-load` reach the Engine's keywords, in its
+    units; a negative value is a clear error, and options left out keep the engine's defaults."""
+    import argparse
+
+    from qwen3tts_agent.server.cli import add_server_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+
+    def options(*extra: str) -> dict[str, object]:
+        return engine_options(parser.parse_args(["--model", "synthetic:tiny", *extra]), 16)
+
+    assert options() == {"max_streams": 16, "backend": "auto"}
+    assert options("--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0") == {
+        "max_streams": 16, "backend": "auto", "codec_hold_s": 0.03, "step_period_s": 0.015, "first_frame_step_load": 0,
+    }
+    for flag in ("--codec-hold-ms", "--step-period-ms", "--first-frame-step-load"):
+        with pytest.raises(ValueError, match=flag):
+            options(flag, "-1")

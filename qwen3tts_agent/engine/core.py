@@ -43,7 +43,7 @@ from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule
 from .audio import AudioPipeline, cpu_thread_split
 from .core_config import CoreConfig, CoreStats
-from .cuda_graphs import GraphedFrameStep, capture_beside, power_of_two_buckets
+from .cuda_graphs import GraphedFrameStep, capture_beside, frame_batch_buckets, power_of_two_buckets
 from .lanes import LanePriorities
 from .launcher import StepLauncher
 from .messages import (
@@ -130,7 +130,7 @@ class EngineCore:
         self._held: dict[str, list[tuple[ChunkPlan, np.ndarray]]] = {}
         kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
         frame_graphs = (
-            GraphedFrameStep(self.runner, power_of_two_buckets(config.max_streams), kv_buckets) if graphed else None
+            GraphedFrameStep(self.runner, frame_batch_buckets(config.max_streams), kv_buckets) if graphed else None
         )
         self.steps = FrameSteps(self.runner, frame_graphs, self.device, config.max_streams)
         self.prefills = Prefills(

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# from this many rows up, the frame graphs' batch sizes also lie halfway between powers of two (frame_batch_buckets)
+FINE_BUCKETS_FROM = 64
 # Triton specialises an integer kernel argument on whether it divides by this (GraphedFrameStep.capture)
 TRITON_DIVISIBILITY = 16
 # what `scaled_dot_product_attention` may pick inside a captured graph (the module docstring says why)
@@ -51,6 +53,18 @@ def power_of_two_buckets(limit: int, start: int = 1) -> list[int]:
         n *= 2
     buckets.append(limit)
     return buckets
+
+
+def frame_batch_buckets(limit: int) -> list[int]:
+    """The frame graphs' batch sizes: powers of two, and above FINE_BUCKETS_FROM rows also the sizes halfway
+    between them (96, 192, 384, ...). A step runs the smallest graph that holds its rows, and a large step's
+    time grows with the graph's rows: without them a step of 137 rows runs the 256-row graph."""
+    buckets = set(power_of_two_buckets(limit))
+    n = FINE_BUCKETS_FROM
+    while n * 3 // 2 < limit:
+        buckets.add(n * 3 // 2)
+        n *= 2
+    return sorted(buckets)
 
 
 def split_frames(t: int, sizes: Sequence[int]) -> list[int]:

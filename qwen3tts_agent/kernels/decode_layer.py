@@ -33,6 +33,7 @@ the first eager call: call `decode_layer` once before capturing a graph.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,6 +52,12 @@ except ImportError:  # keeps the module importable without triton; common.availa
 BLOCK_KEYS = 32  # keys per attention step
 KEYS_PER_PROGRAM = 128  # the attention loop is not software-pipelined: keep it short by splitting over keys
 MAX_KV_SPLITS = 16
+# `attention_tiles`' bounds: launches over at most SHORT_KEYS keys (the code predictor's: 16 positions) run
+# one block of that many keys; up to FEW_ROWS rows, 8 warps; from MANY_ROWS rows, splits of twice
+# KEYS_PER_PROGRAM keys.
+SHORT_KEYS = 16
+FEW_ROWS = 4
+MANY_ROWS = 48
 # Up to this many rows attention loads its first cache block with q/k/v (EARLY_KEYS in `_attention_kernel`):
 # it shortens a few rows' step, but the registers it holds cost occupancy when thousands of programs run.
 EARLY_KEYS_MAX_ROWS = 16
@@ -265,11 +272,43 @@ def _attention_kernel(
 # ----------------------------------------------------------------------------------------------- launchers
 
 
-def kv_splits(programs: int, read_len: int, device: torch.device) -> tuple[int, int]:
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How one attention launch cuts its work: keys per loop step (`block_keys`, at least 16 for `tl.dot`),
+    the most keys one program walks before the cache is split over more programs (`keys_per_program`), warps
+    per program, and whether the first key block is loaded with q/k/v (`early_keys`, `_attention_kernel`)."""
+
+    block_keys: int = BLOCK_KEYS
+    keys_per_program: int = KEYS_PER_PROGRAM
+    num_warps: int = 4
+    early_keys: bool = False
+
+
+def attention_tiles(rows: int, read_len: int, dtype: torch.dtype) -> AttentionTiles:
+    """The tiles of a launch over `rows` rows attending `read_len` keys, as `benchmarks/bench_attention.py`
+    timed them on an H200 (docs/performance.md): 16-bit launches over a few keys (the code predictor's) as one
+    16-key block on one warp, which leaves registers for several times as many programs per SM (the launch is
+    a chain of dependent loads, so resident programs are what hides it); a few rows on 8 warps; many rows
+    over long caches in fewer, longer splits. fp32 (the parity mode) keeps one tiling for every shape."""
+    if dtype == torch.float32:
+        return AttentionTiles(num_warps=8, early_keys=rows <= EARLY_KEYS_MAX_ROWS)  # FMA dots need 8 warps' registers
+    if read_len <= SHORT_KEYS:
+        return AttentionTiles(block_keys=SHORT_KEYS, num_warps=1, early_keys=True)
+    if rows <= FEW_ROWS:
+        return AttentionTiles(num_warps=8, early_keys=True)
+    if rows >= MANY_ROWS:
+        return AttentionTiles(keys_per_program=2 * KEYS_PER_PROGRAM)
+    return AttentionTiles(early_keys=rows <= EARLY_KEYS_MAX_ROWS)
+
+
+def kv_splits(
+    programs: int, read_len: int, device: torch.device, tiles: AttentionTiles = AttentionTiles()
+) -> tuple[int, int]:
     """(splits, keys per split) for attention: about two programs per SM and short loops, whole key blocks."""
-    want = max(common.cdiv(2 * common.sm_count(device), programs), common.cdiv(read_len, KEYS_PER_PROGRAM))
-    want = min(want, MAX_KV_SPLITS, common.cdiv(read_len, BLOCK_KEYS))
-    per_split = common.cdiv(common.cdiv(read_len, want), BLOCK_KEYS) * BLOCK_KEYS
+    block = tiles.block_keys
+    want = max(common.cdiv(2 * common.sm_count(device), programs), common.cdiv(read_len, tiles.keys_per_program))
+    want = min(want, MAX_KV_SPLITS, common.cdiv(read_len, block))
+    per_split = common.cdiv(common.cdiv(read_len, want), block) * block
     return common.cdiv(read_len, per_split), per_split
 
 
@@ -293,12 +332,15 @@ def _attention(
     read_len: int,
     masked: bool,
     prefetch: bool,
+    tiles: AttentionTiles | None = None,
 ) -> None:
     """One `_attention_kernel` launch for one token of each of b rows: qkv, out [b, n], pos [b]; cos and sin are
-    the RoPE tables [positions, head_dim]."""
+    the RoPE tables [positions, head_dim]. `tiles`: `attention_tiles`' choice unless given (benchmarks)."""
     b, d = qkv.shape[0], layer.head_dim
     kv_heads, group = layer.kv_size // d, layer.q_size // layer.kv_size
-    splits, per_split = kv_splits(b * kv_heads, read_len, qkv.device)
+    if tiles is None:
+        tiles = attention_tiles(b, read_len, qkv.dtype)
+    splits, per_split = kv_splits(b * kv_heads, read_len, qkv.device, tiles)
     partials = torch.empty(b * kv_heads, splits, group, d, device=qkv.device, dtype=torch.float32)
     stats = torch.empty(b * kv_heads, splits, 2, group, device=qkv.device, dtype=torch.float32)
     _attention_kernel[(b * kv_heads, splits)](
@@ -307,10 +349,9 @@ def _attention(
         qkv.stride(0), cos.stride(0), sin.stride(0), pos.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), out.stride(0),
         Q_SIZE=layer.q_size, KV_SIZE=layer.kv_size, KV_HEADS=kv_heads, GROUP=group,
-        Q_ROWS=max(16, common.next_power_of_2(group)), HEAD_DIM=d, HEAD_DIM_P=padded_head_dim(d), BLOCK_KEYS=BLOCK_KEYS,
+        Q_ROWS=max(16, common.next_power_of_2(group)), HEAD_DIM=d, HEAD_DIM_P=padded_head_dim(d), BLOCK_KEYS=tiles.block_keys,
         SPLITS=splits, LIMIT_TO_POS=masked, DOT_F32=common.interpreting(), PRECISION=common.dot_precision(qkv.dtype),
-        EARLY_KEYS=b <= EARLY_KEYS_MAX_ROWS, PREFETCH=prefetch,
-        num_warps=8 if qkv.dtype == torch.float32 else 4,  # fp32 FMA dots need the registers of 8 warps
+        EARLY_KEYS=tiles.early_keys, PREFETCH=prefetch, num_warps=tiles.num_warps,
         **common.pdl_options(qkv.device),
     )
 

@@ -86,6 +86,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="under load, start a batched frame step at most this often, so the device keeps room for "
                    "new streams (each stream then runs at about 80 / this times real time; default: 20 on a GPU, "
                    "0 on the CPU; 0: steps back to back); docs/server.md")
+    p.add_argument("--first-frame-step-load", type=int,
+                   help="from this many streams stepping at once, a new stream's first frames run in small steps "
+                   "of their own instead of waiting for the batched step (default: 8 on a GPU, never on the CPU; "
+                   "0: never, new streams join the batched steps: fewer, fuller steps under heavy load); "
+                   "docs/server.md")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -128,6 +133,10 @@ def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str
         if args.step_period_ms < 0:
             raise ValueError("--step-period-ms must not be negative")
         options["step_period_s"] = args.step_period_ms / 1000
+    if args.first_frame_step_load is not None:
+        if args.first_frame_step_load < 0:
+            raise ValueError("--first-frame-step-load must not be negative")
+        options["first_frame_step_load"] = args.first_frame_step_load
     return options
 
 

@@ -60,6 +60,8 @@ CASES = (
     + [Case("tiny", "bfloat16", b, n, m) for b, n, m in ((1, 37, True), (3, 200, True), (8, 200, False))]
     + [Case("tiny", "float32", b, n, True) for b, n in ((20, 37), (70, 200))]  # 32-row tile; two 64-row tiles
     + [Case("real", "float32", 3, 200, True), Case("real", "bfloat16", 8, 37, False)]
+    # 16-bit tilings (`attention_tiles`): a few keys as one 16-key block, and many rows in longer key splits
+    + [Case("tiny", "bfloat16", 3, 9, True), Case("tiny", "bfloat16", 48, 200, True)]
     # two tokens per row: the predictor's first step (positions 0 and 1, causal), b * t rows up to 80
     # (cuBLAS); and masked, with a row's two consecutive positions anywhere below read_len
     + [Case("tiny", dt, b, 2, False, t=2) for dt in ("float32", "bfloat16") for b in (1, 3, 40)]
