@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from qwen3tts_agent import SamplingParams, Voice
+from qwen3tts_agent.engine import scheduler as scheduler_module
 from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
@@ -26,7 +28,8 @@ def _audio(chunks, first: list | None = None) -> np.ndarray:  # type: ignore[no-
     return np.concatenate([chunk.pcm for chunk in [*(first or []), *chunks]])
 
 
-def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
+def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk on a busy CPU would pause them
     slots = FIRST_FRAME_SLOTS
     engine = engine_for("synthetic:tiny", max_streams=2 * slots + 2, first_frame_step_load=slots)
     runner = engine.core.runner
@@ -80,11 +83,16 @@ def test_first_frames_in_steps_of_their_own_change_no_code() -> None:
             np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
 
 
-def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes_alone() -> None:
+def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """More streams than the engine holds, arriving faster than they end: while every slot is taken, a stream
     leaves its first-frame slot for the one a stream that ended frees (`Scheduler.make_room`, copied on the
     prompts' lane before the arrival's set-up there). Every stream's codes are still those it makes alone.
-    (tests/kernels/test_first_frame_slots.py runs the same on a GPU, where the lanes are CUDA streams.)"""
+    (tests/kernels/test_first_frame_slots.py runs the same on a GPU, where the lanes are CUDA streams.) On
+    this CPU chunks leave late, which would pause first-frame slots (`Scheduler.first_frames_paused`, tested
+    in test_scheduler.py): no pause here, so that the slots are exercised."""
+    monkeypatch.setattr(scheduler_module, "FIRST_FRAME_PAUSE_S", 0.0)
     slots = FIRST_FRAME_SLOTS
     engine = engine_for("synthetic:tiny-customvoice", max_streams=2 * slots + 2, max_seq_len=256, first_frame_step_load=slots)
     made_room: list[int] = []

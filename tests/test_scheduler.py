@@ -703,3 +703,31 @@ def test_first_frame_slots_wait_for_their_load(stepping: int, first_frame: bool)
     start(scheduler, new, [5, 6], now=0.01)
     assert new.slot == 0
     assert scheduler.first_frame_rows(0.01, 0.02) == ([new] if first_frame else [])
+
+
+def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_pause_ends() -> None:
+    """A full device: a first-frame step of a few rows costs nearly a batched step, so for FIRST_FRAME_PAUSE_S
+    after a chunk left late new streams neither take a first-frame slot nor have room made there for them."""
+    from qwen3tts_agent.engine.requests import ChunkPlan
+    from qwen3tts_agent.engine.scheduler import FIRST_FRAME_PAUSE_S
+
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _, busy = _under_load(scheduler)
+    busy[0].first_audio, busy[0].delivered_frames = 0.0, 1  # its next chunk was due at 0.08
+    assert not scheduler.first_frames_paused(0.1)
+    scheduler.on_delivered(ChunkPlan(busy[0], np.zeros((2, 16)), 1, 1, False, 0.1), 0.1)  # 20 ms late
+    assert scheduler.stats.late_chunks == 1 and scheduler.first_frames_paused(0.1)
+    paused = make_request("paused")
+    start(scheduler, paused, [5, 6], now=0.1)
+    assert paused.slot == 0 and scheduler.first_frame_rows(0.1, 0.02) == []  # the lowest slot, but not as a first-frame stream
+    assert paused in scheduler.runnable()  # its first frame goes in the next batched step
+    assert scheduler.early_release(scheduler.runnable(), 0.1, 0.02) == float("-inf")  # which waits for nothing
+    step(scheduler, 0.11)
+    full = make_request("full")
+    start(scheduler, full, [5, 6], now=0.12)  # takes slot 1, the last first-frame slot
+    waiting = make_request("waiting")
+    scheduler.add(waiting)
+    assert scheduler.make_room(0.12, 0.02) == []  # no stream moves out of the first-frame slots for it
+    after = 0.1 + FIRST_FRAME_PAUSE_S
+    assert not scheduler.first_frames_paused(after)
+    assert [m.request for m in scheduler.make_room(after, 0.02)] == [paused]  # room made for it again

@@ -155,7 +155,8 @@ class Engine(EngineFrontend):
         `GPU_CODEC_HOLD_S` on a GPU, 0 (decode as soon as the codec has room) on the CPU.
         `first_frame_step_load`: from this many streams stepping at once, a new stream's first frame runs in
         a step of a few low slots of its own, right behind the step in flight, instead of waiting for that
-        step and then a whole batched one (`engine/scheduler.py`); the audio is the same either way. 0: never;
+        step and then a whole batched one, except for a while after a chunk left late (a full device), when new
+        streams step in the batched steps (`engine/scheduler.py`); the audio is the same either way. 0: never;
         None: `FIRST_FRAME_STEP_LOAD` on a GPU with the "torch" backend and over that many slots, else never.
         `step_period_s`: from `STEP_CLOCK_LOAD` streams stepping at once, a batched step starts at most this
         often, unless a stream's next chunk would be late or a new stream's first frame is in it, so streams

@@ -22,7 +22,10 @@ frames; where a batched step takes longer (hundreds of rows), a few more, since 
 due 80 ms after the first. Its state then moves to a slot above them (`moves`), which frees
 its first-frame slot for the next arrival. While new streams step there, batched steps wait for them as long
 as every other stream's next chunk stays that margin ahead of its deadline (`early_release`): the streams
-seconds ahead of their listeners give the device to those just starting.
+seconds ahead of their listeners give the device to those just starting. Once the device is full, though,
+those small steps cost more than they give: a first-frame step of a few rows takes a good part of a batched
+step of a hundred, and every stream then gets fewer frames a second. So for `FIRST_FRAME_PAUSE_S` after a
+chunk leaves late, new streams take no first-frame slot and step in the batched steps (`first_frames_paused`).
 
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
@@ -63,6 +66,8 @@ MIN_STEP_RATE_OVER_REAL_TIME = 1.5
 # ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
 LATE_WINDOW_S = 1.0
 LATE_CHUNKS_TO_SHED = 3
+# For this long after a chunk left late, new streams take no first-frame slot (the module docstring says why).
+FIRST_FRAME_PAUSE_S = 2.0
 
 
 class SlotMove(NamedTuple):
@@ -146,6 +151,7 @@ class Scheduler:
         self._completed_steps = 0
         self.stats = SchedulerStats()
         self._late_at: collections.deque[float] = collections.deque()  # recent late deliveries
+        self._last_late = -math.inf  # when a chunk last left late (`first_frames_paused`)
 
     # ----------------------------------------------------------------- requests
     def add(self, request: RequestState) -> None:
@@ -248,7 +254,9 @@ class Scheduler:
         admitted: list[RequestState] = []
         if not (self.waiting and self._free_slots):
             return admitted  # the usual turn: nothing to admit (and no count of the streams stepping)
-        under_load = bool(self.first_frame_slots) and self._stepping() >= self.first_frame_load
+        under_load = (
+            bool(self.first_frame_slots) and not self.first_frames_paused(now) and self._stepping() >= self.first_frame_load
+        )
         while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
             request.slot = heapq.heappop(self._free_slots)
@@ -261,7 +269,8 @@ class Scheduler:
         return admitted
 
     def make_room(self, now: float, period_s: float) -> list[SlotMove]:
-        """Under load, with requests waiting and every first-frame slot taken: move streams out of first-frame
+        """Under load, with requests waiting and every first-frame slot taken (and first frames not paused,
+        `first_frames_paused`): move streams out of first-frame
         slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
         still take first-frame slots when the engine is nearly full (a free slot then appears only when a
         stream ends, and the next arrival would take it). Any stream in those slots that has had a first frame
@@ -269,7 +278,7 @@ class Scheduler:
         on the device may still write (`_at_rest`), then `settled` ones, then the furthest along. The old slot
         is free at once: the caller copies the state before it sets up any new request on the prompts' lane
         (`SlotMove`)."""
-        if not (self.first_frame_slots and self.waiting and self._free_slots):
+        if not (self.first_frame_slots and self.waiting and self._free_slots) or self.first_frames_paused(now):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
         wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
@@ -585,6 +594,7 @@ class Scheduler:
         if deadline is None:
             request.first_audio = now
         elif now > deadline:
+            self._last_late = now
             self.stats.late_chunks += 1
             self.stats.underrun_seconds += now - deadline
             self._late_at.append(now)
@@ -596,6 +606,10 @@ class Scheduler:
             self._late_at.popleft()
         slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
         return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
+
+    def first_frames_paused(self, now: float) -> bool:
+        """Whether new streams skip the first-frame slots: a chunk left late less than FIRST_FRAME_PAUSE_S ago."""
+        return now - self._last_late < FIRST_FRAME_PAUSE_S
 
     def audio_streams(self) -> int:
         """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""
