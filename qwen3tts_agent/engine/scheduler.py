@@ -269,15 +269,14 @@ class Scheduler:
         return admitted
 
     def make_room(self, now: float, period_s: float) -> list[SlotMove]:
-        """Under load, with requests waiting and every first-frame slot taken (and first frames not paused,
-        `first_frames_paused`): move streams out of first-frame
-        slots to free slots above them, one per waiting request (up to a prefill batch), so that new streams
-        still take first-frame slots when the engine is nearly full (a free slot then appears only when a
-        stream ends, and the next arrival would take it). Any stream in those slots that has had a first frame
-        may move (also one admitted there below the load, which would stay): first those that nothing queued
-        on the device may still write (`_at_rest`), then `settled` ones, then the furthest along. The old slot
-        is free at once: the caller copies the state before it sets up any new request on the prompts' lane
-        (`SlotMove`)."""
+        """Under load, with requests waiting, every first-frame slot taken and first frames not paused
+        (`first_frames_paused`): move streams out of first-frame slots to free slots above them, one per
+        waiting request (up to a prefill batch), so that new streams still take first-frame slots when the
+        engine is nearly full (a free slot then appears only when a stream ends, and the next arrival would
+        take it). Any stream in those slots that has had a first frame may move (also one admitted there below
+        the load, which would stay): first those that nothing queued on the device may still write
+        (`_at_rest`), then `settled` ones, then the furthest along. The old slot is free at once: the caller
+        copies the state before it sets up any new request on the prompts' lane (`SlotMove`)."""
         if not (self.first_frame_slots and self.waiting and self._free_slots) or self.first_frames_paused(now):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
