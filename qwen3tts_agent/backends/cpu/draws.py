@@ -10,8 +10,8 @@ away (the greedy argmax of sampling rows, a top-p cut that no row asks for). Her
   (`gumbel_table`): the integer hash in NumPy's wrapping uint32 arithmetic, which gives the int64 version's
   values since that one masks every product to the same 32 bits, then `_hashed_uniform`'s conversion and
   `gumbel_noise_at`'s two logs in PyTorch. A draw gathers its candidates' noise from the table. PyTorch's
-  log is elementwise, whatever the layout (checked on every value the uniform can take: the vectorised and
-  the strided kernels agree), so a candidate's noise is the value `gumbel_noise_at` gives it;
+  log gives a float the same value whatever the layout (checked once on every value the uniform can take:
+  the vectorised and the strided kernels agree), so a candidate's noise is the value `gumbel_noise_at` gives it;
 - what a frame's rows ask for is read once per frame (`FrameDraws`): which rows sample, whether any cuts
   below the candidate cap or asks for top-p, so a draw skips the ops whose result would be thrown away;
 - candidates, values and noise go to preallocated buffers, the token into the caller's column.
