@@ -17,10 +17,12 @@ import torch
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
 from qwen3tts_agent.backends import create_codec, create_runner, resolve_backend
+from qwen3tts_agent.backends.cpu import draws
 from qwen3tts_agent.backends.cpu.codec import CpuCodecDecoder
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.backends.cpu.store import conversion_folder, prepare
-from qwen3tts_agent.engine.runner import ModelRunner
+from qwen3tts_agent.engine.runner import ModelRunner, PrefillRow
+from qwen3tts_agent.engine.sampling import gumbel_noise_at, uniform_noise
 from tests.engine_helpers import (
     REF_TEXT,
     TEXT,
@@ -124,6 +126,100 @@ def test_fp32_batched_streams_match_single_streams() -> None:
     for (pcm_alone, result_alone), pcm, result in zip(alone, together, results, strict=True):
         assert result.codes == result_alone.codes
         np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+
+
+# ----------------------------------------------------------------- the draws between the graph calls
+class _RecordedRunner(CpuRunner):
+    """The frame as `CpuRunner` ran it before `backends.cpu.draws`: the same graph calls, then `ModelRunner`'s
+    own bookkeeping and `engine.sampling.sample` (the reference the fewer ops must equal, bit for bit)."""
+
+    def predict_codes(self, b: int, sampling: bool = True) -> None:
+        for code in range(1, self.num_groups):
+            self._predictor.run(self._predictor_binding(b, code))
+            hidden = self._p_out[2 if code == 1 else 1][:b, -1]
+            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1], False), code, b, sampling)
+            self._code_embeds[code - 1, :b] = self.p_step_input[:b]  # where the next step's graph reads its input
+
+    def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
+        self._t_seqlens[:b].copy_(self.pos[:b])
+        self._talker.run(self._talker_binding(b))
+        hidden = self._t_out[:b, 0]
+        logits = self._logits(hidden, self.norm, self.codec_head, False)
+        self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
+
+
+# Rows in the order that lets a batch of the first b rows be: all sampling with no cut below the candidate cap
+# (b=1), with a top-k cut (2), with a greedy row (3), with top-p (4), with an inactive row (5).
+DRAW_SLOTS = [
+    dict(seed=2**40 + 3, top_k=64, subtalker_top_k=64, temperature=0.7),  # the seed's high word matters too
+    dict(seed=11),  # the official defaults: top-k 50, temperature 0.9, repetition penalty 1.05
+    dict(do_sample=False, subtalker_do_sample=False),
+    dict(seed=-7, top_p=0.8, top_k=5, subtalker_top_p=0.7, subtalker_temperature=1.3, repetition_penalty=1.3),
+    dict(seed=5),
+]
+DRAW_DEFAULTS = dict(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, subtalker_do_sample=True,
+                     subtalker_temperature=0.9, subtalker_top_k=50, subtalker_top_p=1.0, seed=0, ignore_eos=False)
+DRAW_STATE = ("frame_out", "code0", "p_input", "p_step_input", "embed_sum", "talker_input", "write_pos", "seen", "pos",
+              "n_sampled", "step_idx", "kv_cache")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp32"])
+def test_frame_draws_equal_the_sampling_they_replace(fmt: str) -> None:
+    """`CpuRunner`'s frame (the draws of `backends.cpu.draws`, the bookkeeping on slices) leaves exactly the
+    state of the graph calls followed by `ModelRunner`'s own sampling and bookkeeping: every code and every
+    per-slot tensor, frame after frame, for greedy, sampled, top-k, top-p and mixed batches, an inactive row,
+    and the engine's all-greedy shortcut (sampling flags False)."""
+    model = official_model("synthetic:tiny").model
+    folder = prepare(model, fmt, progress=False)
+    kwargs = dict(max_slots=len(DRAW_SLOTS), max_seq_len=64, max_text_tokens=64)
+    runners = [cls(model, folder, fmt, **kwargs) for cls in (CpuRunner, _RecordedRunner)]
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randn(len(DRAW_SLOTS), 6, runners[0].hidden_size, generator=gen) * 0.1
+    # (rows stepped, rows active, sampling flags): the batch grows, the last row stays inactive, rows leave
+    schedule = [(b, min(b, 4), True) for b in (1, 2, 3, 4, 5, 5)] + [(3, 2, True), (5, 1, True), (3, 0, True)]
+    schedule += [(5, 4, True)] * 3
+    with torch.inference_mode():
+        for runner in runners:
+            for slot, overrides in enumerate(DRAW_SLOTS):
+                runner.reset_slot(slot, {**DRAW_DEFAULTS, **overrides})
+                runner.append_text(slot, 0, [151671 + slot, 151672, 151673])
+            runner.prefill([PrefillRow(slot, 0, prompt[slot], sample=True) for slot in range(len(DRAW_SLOTS))])
+        for frame, (b, active, sampling) in enumerate(schedule):
+            for runner in runners:
+                runner.active.zero_()
+                runner.active[:active] = True
+                runner.frame_step(b, 64, talker_sampling=sampling, predictor_sampling=sampling)
+            for name in DRAW_STATE:
+                assert torch.equal(getattr(runners[0], name), getattr(runners[1], name)), f"{name} differs in frame {frame}"
+        # the all-greedy shortcut: a batch of the greedy row alone, flags as the engine sets them
+        for runner in runners:
+            runner.reset_slot(0, {**DRAW_DEFAULTS, "do_sample": False, "subtalker_do_sample": False})
+            runner.active[:1] = True
+        for sampling in (False, True):
+            for runner in runners:
+                runner.frame_step(1, 64, talker_sampling=sampling, predictor_sampling=sampling)
+            for name in DRAW_STATE:
+                assert torch.equal(getattr(runners[0], name), getattr(runners[1], name)), f"{name} differs (greedy)"
+    codes = runners[0].frame_out[:4, :16]
+    assert len({tuple(row) for row in codes.tolist()}) == 4, "rows drew the same codes"
+
+
+def test_noise_tables_equal_the_hash_they_batch() -> None:
+    """`draws.uniform_table` (NumPy's uint32 hash of a frame's every counter and token id) gives exactly
+    `sampling.uniform_noise`'s values, for negative seeds and counters and seeds past 32 bits; and
+    `draws.gumbel_table`, gathered at candidates, `gumbel_noise_at`'s, however many candidates a row has."""
+    gen = torch.Generator().manual_seed(1)
+    seed = torch.tensor([0, -1, -7, 2**40 + 3, 2**63 - 1, -(2**63), *torch.randint(-(2**62), 2**62, (4,), generator=gen)])
+    counter = torch.randint(-40, 2**31, (seed.shape[0], 16), generator=gen)
+    counter[0] = torch.arange(-8, 8)
+    for vocab in (2048, 3072, 5):
+        ids_hash = draws.index_hash(vocab)
+        assert torch.equal(draws.uniform_table(ids_hash, seed, counter), uniform_noise(seed, counter, vocab))
+    table = draws.gumbel_table(draws.index_hash(3072), seed, counter)
+    for k in (64, 50, 7, 1):
+        ids = torch.randint(0, 3072, (seed.shape[0], k), generator=gen)
+        for j in (0, 5, 15):
+            assert torch.equal(table[:, j].gather(1, ids), gumbel_noise_at(seed, counter[:, j], ids))
 
 
 # ----------------------------------------------------------------- int8: the engine's features run on it
@@ -293,7 +389,6 @@ def test_conversion_is_cached_per_format(tmp_path) -> None:
 def test_prompt_in_pieces_equals_one_piece(monkeypatch) -> None:
     """A prompt longer than PREFILL_CHUNK continues the slot's cache piece by piece, as if in one call."""
     from qwen3tts_agent.backends.cpu import runner as cpu_runner
-    from qwen3tts_agent.engine.runner import PrefillRow
 
     model = official_model("synthetic:tiny").model
     embeds = torch.randn(23, model.config.talker_config.hidden_size, generator=torch.Generator().manual_seed(5))

@@ -1,7 +1,8 @@
 """`CpuRunner`: the engine's `ModelRunner`, with the talker and the code predictor run as ONNX Runtime graphs.
 
-Everything the engine sees stays as it is: the slot tables, the text track, sampling and the frame outputs
-are `ModelRunner`'s own (PyTorch, a few dozen small ops per frame). What changes is where the bytes are read:
+Everything the engine sees stays as it is: the slot tables, the text track and the frame outputs are
+`ModelRunner`'s own, and the draws between the graph calls give `engine.sampling.sample`'s tokens bit for bit,
+in fewer PyTorch ops (`draws`: right after a graph call every op is slow). What changes is where the bytes are read:
 a talker step is one call of the talker graph over rows 0..b-1, a predictor step one call of the predictor
 graph, and in the int8 and int4 formats each predictor head is one 8- or 4-bit GEMV. At batch 1 a frame reads
 every weight of the talker once and the predictor's fifteen times, so its cost is set by memory bandwidth;
@@ -24,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...engine.runner import ModelRunner, PrefillRow
-from ...engine.sampling import DEFAULT_TOP_K_CAP
+from ...engine.sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty
 from ...models.compat import OfficialModule
+from .draws import Sampler
 from .session import BoundSession
 
 # Prompt tokens per talker-graph call: a longer prompt goes in pieces (each continuing the slot's cache), which
@@ -87,13 +89,24 @@ class CpuRunner(ModelRunner):
         int32 = torch.int32
         self._t_seqlens = torch.zeros(max_slots, dtype=int32)
         self._t_total = torch.full((1,), max_seq_len + 1, dtype=int32)  # > 1: every one-token call is a decode step
-        self._p_seqlens = torch.zeros(max_slots, dtype=int32)
-        self._p_total = torch.zeros(1, dtype=int32)
+        # predictor step `code` (1..15) attends positions 0..code: its lengths are constants, one row per step,
+        # bound once (no fill between the graph calls)
+        codes = torch.arange(1, self.num_groups, dtype=int32)
+        self._p_seqlens = codes.view(-1, 1).repeat(1, max_slots)
+        self._p_total = (codes + 1).view(-1, 1)
         self._t_out = torch.zeros(max_slots, 1, self.hidden_size)
         p_hidden = self.p_layers[0].w_o.shape[0]
         self._p_out = {t: torch.zeros(max_slots, t, p_hidden) for t in (1, 2)}
         self._talker_bindings: dict[int, object] = {}
         self._predictor_bindings: dict[tuple[int, int], object] = {}
+        # the draws between the graph calls (`draws`), and the draw counters of a frame's codes 1..15
+        self._code0_sampler = Sampler(self.vocab_size, top_k_cap, max_slots)
+        self._code_sampler = Sampler(self.p_heads[0].out_features, top_k_cap, max_slots)
+        self._codes = torch.arange(1, self.num_groups)
+        self._code0_drawn = torch.zeros(max_slots, dtype=torch.int64)
+        # the embeddings of a frame's codes 1..15, each the input of the next predictor step, summed after the
+        # last (the ops between graph calls are the slow ones: the sum waits until the graphs are done)
+        self._code_embeds = torch.zeros(self.num_groups - 1, max_slots, self.hidden_size)
         # the predictor heads' input (the normed hidden state) and logits: one pair for all fifteen, which run
         # one after the other and whose logits are sampled before the next head runs
         self._head_in = torch.zeros(max_slots, p_hidden)
@@ -124,17 +137,19 @@ class CpuRunner(ModelRunner):
             self._talker_bindings[b] = binding
         return binding
 
-    def _predictor_binding(self, b: int, t: int) -> object:
-        binding = self._predictor_bindings.get((b, t))
+    def _predictor_binding(self, b: int, code: int) -> object:
+        """Step `code`: the first on 2 positions (the talker's state and codebook 0), then one each."""
+        binding = self._predictor_bindings.get((b, code))
         if binding is None:
-            x = self.p_input[:b] if t == 2 else self.p_step_input[:b].view(b, 1, -1)
+            t = 2 if code == 1 else 1
+            x = self.p_input[:b] if t == 2 else self._code_embeds[code - 2, :b].view(b, 1, -1)
             caches = self._stack_inputs((self.pk_cache, self.pv_cache), slice(0, b))
             inputs = {
-                "x": x, "seqlens_k": self._p_seqlens[:b], "total_len": self._p_total,
+                "x": x, "seqlens_k": self._p_seqlens[code - 1, :b], "total_len": self._p_total[code - 1],
                 "cos": self._p_rope[0], "sin": self._p_rope[1], **caches,
             }
             binding = self._predictor.bind(inputs, {"y": self._p_out[t][:b], **self._presents(caches)})
-            self._predictor_bindings[(b, t)] = binding
+            self._predictor_bindings[(b, code)] = binding
         return binding
 
     # ----------------------------------------------------------------- the frame
@@ -155,24 +170,75 @@ class CpuRunner(ModelRunner):
             super().frame_step(b, kv_len, talker_sampling, predictor_sampling)
 
     def predict_codes(self, b: int, sampling: bool = True) -> None:
-        """The 15 predictor steps: one graph call each (the first on 2 positions), then one head and a draw."""
+        """The 15 predictor steps: one graph call each (the first on 2 positions), then one head and a draw.
+
+        `ModelRunner._record_code`'s state, in fewer ops between the graph calls: the draws are
+        `draws.FrameDraws` (the frame's noise computed at once), each code is drawn straight into
+        `frame_codes` and its embedding gathered straight into the next step's bound input; the embeddings
+        are summed, in the same order, after the last step."""
+        rows = slice(0, b)
+        # draw counters: codebook 0's (n_sampled - 1) * num_groups (drawn by the talker), then one more for each
+        # of the frame's codes 1..15, as `ModelRunner._record_code` counts them
+        counter = ((self.n_sampled[rows] - 1) * self.num_groups).unsqueeze(1) + self._codes
+        draws = self._code_sampler.frame(
+            SamplerRows(do_sample=self.sub_do_sample[rows], temperature=self.sub_temperature[rows],
+                        top_k=self.sub_top_k[rows], top_p=self.sub_top_p[rows]),
+            self.seed[rows], counter, sampling,
+        )
+        codes, embeds = self.frame_codes[rows], self._code_embeds[:, rows]
+        codes[:, 0] = self.code0[rows]
         for code in range(1, self.num_groups):
-            t = 2 if code == 1 else 1
-            last = code  # the position of this step's last token (0, 1 on the first step; then 2..15)
-            self._p_seqlens[:b].fill_(last)
-            self._p_total.fill_(last + 1)
-            self._predictor.run(self._predictor_binding(b, t))
-            hidden = self._p_out[t][:b, -1]
-            self._record_code(self._logits(hidden, self.p_norm, self.p_heads[code - 1], False), code, b, sampling)
+            self._predictor.run(self._predictor_binding(b, code))
+            hidden = self._p_out[2 if code == 1 else 1][rows, -1]
+            logits = self._logits(hidden, self.p_norm, self.p_heads[code - 1], False)
+            token = draws.draw(logits, code - 1, out=codes[:, code])
+            torch.index_select(self.p_embeddings[code - 1].weight, 0, token, out=embeds[code - 1])
+        self.p_step_input[rows] = embeds[-1]
+        # the sum of the codes' embeddings, codebook 0's first; the last code's goes straight to the talker's
+        # input, to which the text track's embedding is added
+        total = self.embed_sum[rows]
+        torch.add(self.p_input[rows, 1], embeds[0], out=total if self.num_groups > 2 else self.talker_input[rows])
+        for code in range(2, self.num_groups):
+            torch.add(total, embeds[code - 1], out=total if code < self.num_groups - 1 else self.talker_input[rows])
+        step = self.step_idx[rows]
+        text = self.text_embeds[self._arange_slots[rows], step.clamp(max=self.max_text_tokens - 1)]
+        self.talker_input[rows] += torch.where((step < self.text_len[rows]).unsqueeze(1), text, self.pad_embed)
+        self.write_pos[rows] = torch.where(self.active[rows], self.pos[rows], self.max_seq_len)
 
     def talker_step(self, b: int, kv_len: int, sampling: bool = True) -> None:
-        """The talker graph on this frame's input rows; every row writes at its own position."""
+        """The talker graph on this frame's input rows; every row writes at its own position. Then
+        `ModelRunner._record_code0`'s frame update in fewer ops: the norm once (for the head and the next
+        predictor input), the slots as slices rather than index lists, the draw a `draws.FrameDraws`."""
         del kv_len  # each row attends over its own positions (seqlens_k), not a shared length
-        self._t_seqlens[:b].copy_(self.pos[:b])
+        rows = slice(0, b)
+        self._t_seqlens[rows].copy_(self.pos[rows])
         self._talker.run(self._talker_binding(b))
-        hidden = self._t_out[:b, 0]
-        logits = self._logits(hidden, self.norm, self.codec_head, False)
-        self._record_code0(logits, self._arange_slots[:b], self.active[:b], hidden, frame=True, sampling=sampling)
+        hidden = self.norm(self._t_out[rows, 0])
+        code0 = self._draw_code0(self.codec_head(hidden), b, sampling)
+        act = self.active[rows]
+        self.code0[rows] = torch.where(act, code0, self.code0[rows])
+        first = torch.stack([hidden, self.codec_embedding(code0)], dim=1)
+        self.p_input[rows] = torch.where(act.view(-1, 1, 1), first, self.p_input[rows])
+        slots = self._arange_slots[rows]
+        self.seen[slots, code0] = self.seen[slots, code0] | act
+        sampled = act.long()
+        for counter in (self.pos, self.n_sampled, self.step_idx):
+            counter[rows] += sampled
+        self.finished[rows] = (act & (code0 == self.eos_id)).long()
+
+    def _draw_code0(self, logits: torch.Tensor, b: int, sampling: bool) -> torch.Tensor:
+        """`ModelRunner._sample_code0` for slots [0, b): the official processors, then the draw, whose counter
+        is n_sampled * num_groups."""
+        rows = slice(0, b)
+        scores = apply_repetition_penalty(logits, self.seen[rows], self.repetition_penalty[rows])
+        scores.masked_fill_(self.suppress, float("-inf"))
+        scores[:, self.eos_id].masked_fill_((self.n_sampled[rows] < 2) | self.forbid_eos[rows], float("-inf"))
+        draws = self._code0_sampler.frame(
+            SamplerRows(do_sample=self.do_sample[rows], temperature=self.temperature[rows], top_k=self.top_k[rows],
+                        top_p=self.top_p[rows]),
+            self.seed[rows], (self.n_sampled[rows] * self.num_groups).unsqueeze(1), sampling,
+        )
+        return draws.draw(scores, 0, out=self._code0_drawn[rows])
 
     def _logits(self, x: torch.Tensor, norm: OfficialModule, head: nn.Linear, fused: bool = False) -> torch.Tensor:
         """head(norm(x)); a predictor head is a GEMV of its 8- or 4-bit graph in the int8 and int4 formats
