@@ -19,11 +19,21 @@ _MASK32 = 0xFFFFFFFF
 DEFAULT_TOP_K_CAP = 64
 
 
+# PCG-RXS-M-XS 32-bit (Jarzynski & Olano 2020): the state's multiplier and increment, the output's multiplier
+# (the Triton kernels in kernels/sampling.py spell the same numbers)
+PCG_MULTIPLIER, PCG_INCREMENT, PCG_WORD_MULTIPLIER = 747796405, 2891336453, 277803737
+
+
 def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
     """PCG-RXS-M-XS 32-bit hash (Jarzynski & Olano 2020) on int64 tensors holding 32-bit values."""
-    state = (x * 747796405 + 2891336453) & _MASK32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
+    state = (x * PCG_MULTIPLIER + PCG_INCREMENT) & _MASK32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * PCG_WORD_MULTIPLIER) & _MASK32
     return ((word >> 22) ^ word) & _MASK32
+
+
+def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (in int64) as uniform (0, 1) float32 noise."""
+    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
 
 
 def _hashed_uniform(seed: torch.Tensor, counter: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -31,7 +41,7 @@ def _hashed_uniform(seed: torch.Tensor, counter: torch.Tensor, index: torch.Tens
     h = _pcg_hash((seed & _MASK32) ^ _pcg_hash(index))
     h = _pcg_hash(h ^ (counter & _MASK32))
     h = _pcg_hash(h ^ ((seed >> 32) & _MASK32))
-    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    return hash_to_uniform(h)
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -27,20 +27,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...engine.sampling import SamplerRows
+from ...engine.sampling import (
+    PCG_INCREMENT,
+    PCG_MULTIPLIER,
+    PCG_WORD_MULTIPLIER,
+    SamplerRows,
+    hash_to_uniform,
+)
 
 _MASK32 = 0xFFFFFFFF
 
 
 def _pcg_hash_(x: np.ndarray) -> np.ndarray:
     """`sampling._pcg_hash` in place on uint32, whose products wrap at 2**32 as the int64 version's masks do."""
-    x *= np.uint32(747796405)
-    x += np.uint32(2891336453)
+    x *= np.uint32(PCG_MULTIPLIER)
+    x += np.uint32(PCG_INCREMENT)
     word = x >> np.uint32(28)
     word += np.uint32(4)
     np.right_shift(x, word, out=word)
     word ^= x
-    word *= np.uint32(277803737)
+    word *= np.uint32(PCG_WORD_MULTIPLIER)
     np.right_shift(word, np.uint32(22), out=x)
     x ^= word
     return x
@@ -63,8 +69,7 @@ def uniform_table(ids_hash: np.ndarray, seed: torch.Tensor, counter: torch.Tenso
     _pcg_hash_(h)
     h ^= _low_words(seed >> 32)[:, None, None]
     _pcg_hash_(h)
-    # `_hashed_uniform`'s conversion, on the same int64 values
-    return (torch.from_numpy(h.astype(np.int64)).to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    return hash_to_uniform(torch.from_numpy(h.astype(np.int64)))  # `_hashed_uniform`'s conversion, on the same values
 
 
 def gumbel_table(ids_hash: np.ndarray, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
