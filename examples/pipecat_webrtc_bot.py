@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from loguru import logger
 from pipecat.audio.vad.silero import SileroVADAnalyzer
@@ -69,12 +70,13 @@ SYSTEM_PROMPT = (
 
 @dataclass
 class SharedTTS:
-    """What every session in the process shares: one engine and the voice it speaks with."""
+    """What every session in the process shares: one engine, the voice it speaks with, the offline script."""
 
     engine: Engine
     voices: dict[str, VoicePrompt]
     settings: Qwen3TTSService.Settings
     aggregation: TextAggregationMode
+    script: list[str]
 
 
 SHARED: SharedTTS | None = None
@@ -100,7 +102,7 @@ class ScriptedResponder(FrameProcessor):
             await self.push_frame(LLMFullResponseEndFrame())
 
 
-def conversation() -> tuple[list[FrameProcessor], list[FrameProcessor]]:
+def conversation(script: list[str]) -> tuple[list[FrameProcessor], list[FrameProcessor]]:
     """What goes before the TTS and after the audio output: STT + LLM when LLM_MODEL is set, else the script."""
     model = os.getenv("LLM_MODEL")
     if not model:
@@ -109,7 +111,7 @@ def conversation() -> tuple[list[FrameProcessor], list[FrameProcessor]]:
             start=[VADUserTurnStartStrategy()],
             stop=[SpeechTimeoutUserTurnStopStrategy(wait_for_transcript=False)],
         )
-        return [UserTurnProcessor(user_turn_strategies=turns), ScriptedResponder(SCRIPT)], []
+        return [UserTurnProcessor(user_turn_strategies=turns), ScriptedResponder(script)], []
     from pipecat.processors.aggregators.llm_context import LLMContext
     from pipecat.processors.aggregators.llm_response_universal import (
         LLMContextAggregatorPair,
@@ -149,7 +151,7 @@ async def bot(runner_args: SmallWebRTCRunnerArguments) -> None:
         settings=SHARED.settings,
         text_aggregation_mode=SHARED.aggregation,
     )
-    before_tts, after_output = conversation()
+    before_tts, after_output = conversation(SHARED.script)
     pipeline = Pipeline(
         [
             transport.input(),
@@ -200,6 +202,9 @@ def add_voice_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--language", default="auto")
     parser.add_argument("--max-frames", type=int, help="cap each reply at this many 80 ms frames")
+    parser.add_argument(
+        "--script", type=Path, help="offline replies, one a line (default: a three-line script about the bot)"
+    )
 
 
 def load_shared_tts(args: argparse.Namespace) -> SharedTTS:
@@ -231,7 +236,12 @@ def load_shared_tts(args: argparse.Namespace) -> SharedTTS:
     )
     aggregation = TextAggregationMode.SENTENCE if sentence else TextAggregationMode.TOKEN
     logger.info(f"TTS text aggregation: {aggregation}")
-    return SharedTTS(engine, voices, settings, aggregation)
+    script = SCRIPT
+    if args.script:
+        script = [line.strip() for line in args.script.read_text().splitlines() if line.strip()]
+        if not script:
+            raise SystemExit(f"--script {args.script} has no lines to say")
+    return SharedTTS(engine, voices, settings, aggregation, script)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,17 @@ FRAME = RATE // 50
 LOUD = 200.0  # int16 RMS of a 20 ms frame above which the bot is talking (its silence decodes to ~0)
 # This much silence ends the bot's speech; shorter gaps are the model running behind real time.
 QUIET_GAP = 0.8
-# The reply's cap. The engine's runaway guard ends each sentence sooner (25 frames + 8 a text token: 73 for the
-# script's first, "Hello, I am a streaming voice bot."), so the caller cuts in soon after the answer starts,
-# while the engine is still generating that sentence.
-MAX_FRAMES = 300
+# The bot's replies. The random tiny model never says its end token, so each sentence runs to the engine's
+# runaway guard (25 frames + 8 a text token): the first reply is one sentence of some 90 tokens, ~700 frames
+# that take seconds to generate even on a fast CPU, so the caller cuts in while the engine is generating it.
+SCRIPT = [
+    "This first answer is a single sentence that goes on for quite a while, because the caller is going to"
+    " talk over it long before it ends, and the bot has to stop speaking at once, drop whatever audio it has"
+    " not played yet, cancel the request inside the speech engine, and then listen to what the caller wants"
+    " to say instead of carrying on with this very long and rather dull answer about nothing at all.",
+    "I heard you. My words are generated frame by frame, so when you speak, I stop within a frame.",
+]
+MAX_FRAMES = 1000  # the reply's cap, above the first answer's runaway guard
 CUT_IN_AFTER_S = 0.5
 STOP_BOUND_S = 1.0  # barge-in: caller speech onset -> bot audio stops, on 2 shared CPU cores
 REF_TEXT = "This is the voice the bot borrows for its answers."
@@ -192,7 +199,10 @@ def bot(voices: dict[str, Path]) -> Iterator[Bot]:
         "aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=True: ['127.0.0.1']; "
         f"sys.argv[0] = {str(BOT)!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
+    script = voices["ref"].parent / "script.txt"
+    script.write_text("\n".join(SCRIPT) + "\n")
     args = ["--model", "synthetic:tiny", "--device", "cpu", "--max-frames", str(MAX_FRAMES)]
+    args += ["--script", str(script)]
     args += ["--ref-audio", str(voices["ref"]), "--ref-text", REF_TEXT]
     args += ["-t", "webrtc", "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
