@@ -323,7 +323,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
-    and the mean chunks per codec call."""
+    and the codec calls a second (those of the early lane apart) with their mean chunks."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
@@ -334,6 +334,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float
         "first_audio_holds_per_s": metrics.get("qwen3tts_engine_first_audio_holds", 0.0) / seconds,
         "mean_step_batch": (frames - first) / (steps - first) if steps > first else None,  # a first-frame step: ~1 row
         "codec_decodes_per_s": decodes / seconds,
+        "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
     }
 

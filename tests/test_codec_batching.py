@@ -41,3 +41,4 @@ def test_held_chunks_decode_the_same_audio_in_order() -> None:
     delivered = sum(len(chunks) for chunks in frames)
     assert after.codec_chunks - before.codec_chunks == delivered
     assert 0 < after.codec_decodes - before.codec_decodes <= delivered
+    assert after.early_codec_decodes == before.early_codec_decodes == 0  # the early lane is a GPU's

@@ -387,6 +387,9 @@ async def test_health_ready_and_metrics_follow_startup(tmp_path: Path) -> None:
             text = (await client.get("/metrics")).text
             assert metric(text, "qwen3tts_engine_max_streams") == 16
             assert metric(text, "qwen3tts_engine_frames_generated") >= 4  # the warm-up utterance
+            # the warm-up's chunks went through the codec; a CPU has no early lane
+            assert metric(text, "qwen3tts_engine_codec_decodes") >= 1
+            assert metric(text, "qwen3tts_engine_early_codec_decodes") == 0
             assert metric(text, "qwen3tts_errors_total", code="not_ready") == 2
             assert (await client.get("/metrics", headers={"Authorization": "Bearer nope"})).status_code == 401
     finally:

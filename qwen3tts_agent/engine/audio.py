@@ -143,12 +143,13 @@ class AudioPipeline:
         backend: str = "torch",
         hold_s: float = 0.0,
         priorities: LanePriorities | None = None,
-        on_decode: Callable[[int], None] | None = None,
+        on_decode: Callable[[int, bool], None] | None = None,
         codec_threads: int = 0,
     ) -> None:
         """`hold_s`: how long a later chunk may wait on the host for other streams' chunks to batch with
         (`CodecQueue`; 0: decode as soon as the lane has room). `priorities`: the CUDA stream priorities of
-        the lanes (the device's default when None). `on_decode(chunks)` is called for every codec call.
+        the lanes (the device's default when None). `on_decode(chunks, early)` is called for every codec call
+        (`early`: on the early lane).
         `codec_threads` (CPU, with `overlap`): the cores of the codec's own thread (0: no thread, the codec
         runs on the caller's thread with its cores)."""
         self.device = device
@@ -350,7 +351,7 @@ class AudioPipeline:
             self._last_use[slot] = decoding.pending
         (self._early_decoding if early else self._decoding).append(decoding)
         if self._on_decode is not None:
-            self._on_decode(len(group))
+            self._on_decode(len(group), early)
 
     def _decode_on_thread(self, group: list[ChunkPlan], slots: list[int], codes: np.ndarray) -> _Decoding:
         """Queue the decode on the CPU's codec thread, behind the slots' set-ups (queued there first)."""

@@ -162,9 +162,10 @@ class EngineCore:
     def stop(self) -> None:
         self._messages.put(_Control(None, None))
 
-    def _count_decode(self, chunks: int) -> None:
+    def _count_decode(self, chunks: int, early: bool) -> None:
         self.stats.codec_decodes += 1
         self.stats.codec_chunks += chunks
+        self.stats.early_codec_decodes += early
 
     def capture_graphs(self, progress: bool) -> None:
         """Capture every CUDA graph: frame, prefill and staged prefill on the core's thread, both codec lanes'

@@ -55,3 +55,4 @@ class CoreStats:
     speculation_misses: int = 0  # ... whose token turned out different: the request started over
     codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
     codec_chunks: int = 0  # chunks they decoded
+    early_codec_decodes: int = 0  # ... of the calls, those on the early lane (new streams' first two chunks)
