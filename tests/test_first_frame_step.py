@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from qwen3tts_agent import SamplingParams, Voice
-from qwen3tts_agent.engine import scheduler as scheduler_module
+from qwen3tts_agent.engine import device_load
 from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
@@ -29,7 +29,7 @@ def _audio(chunks, first: list | None = None) -> np.ndarray:  # type: ignore[no-
 
 
 def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk on a busy CPU would pause them
+    monkeypatch.setattr(device_load, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk on a busy CPU would pause them
     slots = FIRST_FRAME_SLOTS
     engine = engine_for("synthetic:tiny", max_streams=2 * slots + 2, first_frame_step_load=slots)
     runner = engine.core.runner
@@ -45,13 +45,13 @@ def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.M
     batched_steps: list[int] = []  # rows of every batched step queued
     timed_steps: list[float] = []  # every step time the scheduler was given
     on_batched_launch(engine, lambda rows, now: batched_steps.append(len(rows)))
-    record_step_time = scheduler.record_step_time
+    record_step_time = scheduler.load.record_step_time
 
     def record_spy(seconds: float) -> None:
         timed_steps.append(seconds)
         record_step_time(seconds)
 
-    scheduler.record_step_time = record_spy  # type: ignore[method-assign]
+    scheduler.load.record_step_time = record_spy  # type: ignore[method-assign]
     try:
         voice = xvector_voice(engine)
         alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
@@ -90,9 +90,9 @@ def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes
     leaves its first-frame slot for the one a stream that ended frees (`Scheduler.make_room`, copied on the
     prompts' lane before the arrival's set-up there). Every stream's codes are still those it makes alone.
     (tests/kernels/test_first_frame_slots.py runs the same on a GPU, where the lanes are CUDA streams.) On
-    this CPU chunks leave late, which would pause first-frame slots (`Scheduler.first_frames_paused`, tested
+    this CPU chunks leave late, which would pause first-frame slots (`DeviceLoad.first_frames_paused`, tested
     in test_scheduler.py): no pause here, so that the slots are exercised."""
-    monkeypatch.setattr(scheduler_module, "FIRST_FRAME_PAUSE_S", 0.0)
+    monkeypatch.setattr(device_load, "FIRST_FRAME_PAUSE_S", 0.0)
     slots = FIRST_FRAME_SLOTS
     engine = engine_for("synthetic:tiny-customvoice", max_streams=2 * slots + 2, max_seq_len=256, first_frame_step_load=slots)
     made_room: list[int] = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from qwen3tts_agent.engine.device_load import FIRST_FRAME_PAUSE_S, LATE_CHUNKS_TO_SHED, LATE_WINDOW_S
 from qwen3tts_agent.engine.pacer import StepPacer
 from qwen3tts_agent.engine.requests import FRAME_SECONDS, PromptShape, RequestState, runaway_frame_limit
-from qwen3tts_agent.engine.scheduler import LATE_CHUNKS_TO_SHED, LATE_WINDOW_S, URGENT_SLACK_S, Scheduler
+from qwen3tts_agent.engine.scheduler import URGENT_SLACK_S, Scheduler
 from qwen3tts_agent.engine.types import FinishReason, TextLayout
 
 EOS_TEXT = 999
@@ -253,23 +254,23 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
     late = 0.03
     for i in range(LATE_CHUNKS_TO_SHED):
         [chunk] = step(scheduler, 1.0 + i * 0.01)
-        assert not scheduler.overloaded(1.0)
+        assert not scheduler.load.overloaded(1.0)
         scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
-    assert scheduler.stats.late_chunks == LATE_CHUNKS_TO_SHED
+    assert scheduler.load.stats.late_chunks == LATE_CHUNKS_TO_SHED
     # chunk k is due k frames after the first and left k * 30 ms after that
-    assert scheduler.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
+    assert scheduler.load.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
     now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
-    assert scheduler.overloaded(now) and not scheduler.overloaded(now + LATE_WINDOW_S + 0.5)
+    assert scheduler.load.overloaded(now) and not scheduler.load.overloaded(now + LATE_WINDOW_S + 0.5)
 
 
 def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:
     scheduler = make_scheduler()
     for _ in range(10):
-        scheduler.record_step_time(0.02)  # 4x faster than real time
-    assert not scheduler.overloaded(0.0)
+        scheduler.load.record_step_time(0.02)  # 4x faster than real time
+    assert not scheduler.load.overloaded(0.0)
     for _ in range(30):
-        scheduler.record_step_time(0.07)  # barely faster than real time: no headroom
-    assert scheduler.overloaded(0.0)
+        scheduler.load.record_step_time(0.07)  # barely faster than real time: no headroom
+    assert scheduler.load.overloaded(0.0)
 
 
 def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None:
@@ -355,10 +356,10 @@ def test_the_release_counts_the_missing_frames_at_the_devices_step_time_up_to_a_
     start(scheduler, a, [5, 6])
     [first] = step(scheduler, 0.0)
     scheduler.on_delivered(first, now=0.01)  # the second chunk (2 frames) is due at 0.09
-    scheduler.record_step_time(0.005)
+    scheduler.load.record_step_time(0.005)
     assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.005 - PACE_MARGIN_S)
     for _ in range(40):
-        scheduler.record_step_time(0.05)  # steps slower than the period: one a period
+        scheduler.load.record_step_time(0.05)  # steps slower than the period: one a period
     assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
 
 
@@ -547,7 +548,7 @@ def test_under_load_a_new_stream_steps_in_a_first_frame_slot_until_batched_steps
 def test_where_batched_steps_are_slow_a_new_stream_stays_longer_in_its_first_frame_slot() -> None:
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _under_load(scheduler)
-    scheduler.record_step_time(0.03)  # a batched step of hundreds of rows
+    scheduler.load.record_step_time(0.03)  # a batched step of hundreds of rows
     new = make_request("new", schedule=(1, 2, 4))
     start(scheduler, new, [5, 6], now=0.02)
     [first] = _frame(scheduler, [new], 0.025)
@@ -709,14 +710,13 @@ def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_paus
     """A full device: a first-frame step of a few rows costs nearly a batched step, so for FIRST_FRAME_PAUSE_S
     after a chunk left late new streams neither take a first-frame slot nor have room made there for them."""
     from qwen3tts_agent.engine.requests import ChunkPlan
-    from qwen3tts_agent.engine.scheduler import FIRST_FRAME_PAUSE_S
 
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _, busy = _under_load(scheduler)
     busy[0].first_audio, busy[0].delivered_frames = 0.0, 1  # its next chunk was due at 0.08
-    assert not scheduler.first_frames_paused(0.1)
+    assert not scheduler.load.first_frames_paused(0.1)
     scheduler.on_delivered(ChunkPlan(busy[0], np.zeros((2, 16)), 1, 1, False, 0.1), 0.1)  # 20 ms late
-    assert scheduler.stats.late_chunks == 1 and scheduler.first_frames_paused(0.1)
+    assert scheduler.load.stats.late_chunks == 1 and scheduler.load.first_frames_paused(0.1)
     paused = make_request("paused")
     start(scheduler, paused, [5, 6], now=0.1)
     assert paused.slot == 0 and scheduler.first_frame_rows(0.1, 0.02) == []  # the lowest slot, but not as a first-frame stream
@@ -729,5 +729,5 @@ def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_paus
     scheduler.add(waiting)
     assert scheduler.make_room(0.12, 0.02) == []  # no stream moves out of the first-frame slots for it
     after = 0.1 + FIRST_FRAME_PAUSE_S
-    assert not scheduler.first_frames_paused(after)
+    assert not scheduler.load.first_frames_paused(after)
     assert [m.request for m in scheduler.make_room(after, 0.02)] == [paused]  # room made for it again

@@ -287,7 +287,7 @@ class Engine(EngineFrontend):
             raise EngineClosedError("engine is closed")
         if not self._accepting:
             raise EngineNotReadyError("the engine is restarting after a failure; retry shortly")
-        if self.shed_when_behind and self.core.scheduler.overloaded(time.perf_counter()):
+        if self.shed_when_behind and self.core.scheduler.load.overloaded(time.perf_counter()):
             raise EngineOverloadedError("busy: the engine is running behind real time; retry shortly")
 
     @property
@@ -356,9 +356,9 @@ class Engine(EngineFrontend):
             queued_streams=max(0, self.open_stream_count() - running),
             max_streams=self.max_streams,
             **{f.name: getattr(base, f.name) + getattr(now, f.name) for f in fields(CoreStats)},  # this core's and dead ones'
-            late_chunks=scheduler.stats.late_chunks,
-            underrun_seconds=scheduler.stats.underrun_seconds,
-            overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
+            late_chunks=scheduler.load.stats.late_chunks,
+            underrun_seconds=scheduler.load.stats.underrun_seconds,
+            overloaded=self.shed_when_behind and scheduler.load.overloaded(time.perf_counter()),
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

@@ -68,7 +68,7 @@ class StepLauncher:
             gpu_seconds = step.device_seconds()
             self.pacer.completed(gpu_seconds)
             if gpu_seconds is not None and step.batched:
-                self.scheduler.record_step_time(gpu_seconds)
+                self.scheduler.load.record_step_time(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
@@ -165,7 +165,7 @@ class StepLauncher:
             self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
         )
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
-            self.scheduler.record_step_time(time.perf_counter() - now)
+            self.scheduler.load.record_step_time(time.perf_counter() - now)
         self.pacer.launched(step.bucket, now, batched=batched)
         self.stats.steps += 1
 

@@ -8,8 +8,9 @@ Deadlines. A client plays a stream from its first chunk on, in real time, so onc
 left, the next chunk is needed by `first_audio + delivered_frames * 80 ms`. The time left until then is
 the stream's slack. Chunks due for decoding are handed to the core most urgent first (first chunks, then
 by deadline), and a stream whose slack runs short gets its pending frames decoded at once rather than
-waiting to fill its next scheduled chunk. Overload is refused at admission (`overloaded`) while admitted
-streams still have slack, instead of letting every stream starve a little.
+waiting to fill its next scheduled chunk. Overload is refused at admission (`DeviceLoad.overloaded`, from the
+steps' times and the late chunks booked in `load`) while admitted streams still have slack, instead of letting
+every stream starve a little.
 
 First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
 a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
@@ -24,8 +25,8 @@ its first-frame slot for the next arrival. While new streams step there, batched
 as every other stream's next chunk stays that margin ahead of its deadline (`early_release`): the streams
 seconds ahead of their listeners give the device to those just starting. Once the device is full, though,
 those small steps cost more than they give: a first-frame step of a few rows takes a good part of a batched
-step of a hundred, and every stream then gets fewer frames a second. So for `FIRST_FRAME_PAUSE_S` after a
-chunk leaves late, new streams take no first-frame slot and step in the batched steps (`first_frames_paused`).
+step of a hundred, and every stream then gets fewer frames a second. So for a while after a chunk leaves late,
+new streams take no first-frame slot and step in the batched steps (`DeviceLoad.first_frames_paused`).
 
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
@@ -37,15 +38,14 @@ without speculating again. Audio that leaves the core is therefore always the au
 
 from __future__ import annotations
 
-import collections
 import heapq
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from .device_load import DeviceLoad
 from .requests import FRAME_SECONDS, ChunkPlan, PrefillPlan, RequestState, urgency
 from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 
@@ -61,13 +61,6 @@ EARLY_HOLD_MARGIN_S = 0.1
 # A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
 # beyond what its listener has heard: the audio is due sooner than their next frames.
 STEP_CAN_WAIT_AHEAD_S = 0.5
-# Refuse new streams while a step takes longer than a frame's duration divided by this...
-MIN_STEP_RATE_OVER_REAL_TIME = 1.5
-# ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
-LATE_WINDOW_S = 1.0
-LATE_CHUNKS_TO_SHED = 3
-# For this long after a chunk left late, new streams take no first-frame slot (the module docstring says why).
-FIRST_FRAME_PAUSE_S = 2.0
 
 
 class SlotMove(NamedTuple):
@@ -80,13 +73,6 @@ class SlotMove(NamedTuple):
     old: int
     new: int
     after_steps: bool
-
-
-@dataclass
-class SchedulerStats:
-    late_chunks: int = 0
-    underrun_seconds: float = 0.0
-    step_seconds: float = 0.0  # moving average of a batched step's time on the device
 
 
 class Scheduler:
@@ -149,9 +135,7 @@ class Scheduler:
         self._quarantine: list[tuple[int, int]] = []  # (last step that may hold it, slot)
         self._launched_steps = 0
         self._completed_steps = 0
-        self.stats = SchedulerStats()
-        self._late_at: collections.deque[float] = collections.deque()  # recent late deliveries
-        self._last_late = -math.inf  # when a chunk last left late (`first_frames_paused`)
+        self.load = DeviceLoad()  # the steps' times and the late chunks (refusals, first-frame pauses)
 
     # ----------------------------------------------------------------- requests
     def add(self, request: RequestState) -> None:
@@ -255,7 +239,7 @@ class Scheduler:
         if not (self.waiting and self._free_slots):
             return admitted  # the usual turn: nothing to admit (and no count of the streams stepping)
         under_load = (
-            bool(self.first_frame_slots) and not self.first_frames_paused(now) and self._stepping() >= self.first_frame_load
+            bool(self.first_frame_slots) and not self.load.first_frames_paused(now) and self._stepping() >= self.first_frame_load
         )
         while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
@@ -270,14 +254,14 @@ class Scheduler:
 
     def make_room(self, now: float, period_s: float) -> list[SlotMove]:
         """Under load, with requests waiting, every first-frame slot taken and first frames not paused
-        (`first_frames_paused`): move streams out of first-frame slots to free slots above them, one per
+        (`DeviceLoad.first_frames_paused`): move streams out of first-frame slots to free slots above them, one per
         waiting request (up to a prefill batch), so that new streams still take first-frame slots when the
         engine is nearly full (a free slot then appears only when a stream ends, and the next arrival would
         take it). Any stream in those slots that has had a first frame may move (also one admitted there below
         the load, which would stay): first those that nothing queued on the device may still write
         (`_at_rest`), then `settled` ones, then the furthest along. The old slot is free at once: the caller
         copies the state before it sets up any new request on the prompts' lane (`SlotMove`)."""
-        if not (self.first_frame_slots and self.waiting and self._free_slots) or self.first_frames_paused(now):
+        if not (self.first_frame_slots and self.waiting and self._free_slots) or self.load.first_frames_paused(now):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
         wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
@@ -413,10 +397,10 @@ class Scheduler:
         """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still
         gives every stream its next chunk's missing frames, one step each, and `margin_s` for the last step
         and the decode, before that chunk's deadline; infinity if no stream presses. A step takes the
-        device's recent step time (`record_step_time`; a period before any was measured, and at most one):
+        device's recent step time (`DeviceLoad.record_step_time`; a period before any was measured, and at most one):
         a released step's successors are released by the same rule, one step later each, so a pressed
         stream's frames go back to back rather than one a tick."""
-        step_s = min(period_s, self.stats.step_seconds) if self.stats.step_seconds else period_s
+        step_s = min(period_s, self.load.stats.step_seconds) if self.load.stats.step_seconds else period_s
         release = math.inf
         for request in rows:
             deadline = request.deadline()
@@ -448,7 +432,7 @@ class Scheduler:
         with a frame in flight or none made yet is not (what it lacks is not known yet)."""
         if request.frames == 0 or request.frames_launched > request.frames:
             return False
-        step_s = max(period_s, self.stats.step_seconds)
+        step_s = max(period_s, self.load.stats.step_seconds)
         start = request.first_audio if request.first_audio is not None else now
         runs_out = start + request.pending_start * FRAME_SECONDS
         missing = max(0, request.next_chunk_frames - len(request.pending))
@@ -504,14 +488,6 @@ class Scheduler:
             if ahead is None or ahead < STEP_CAN_WAIT_AHEAD_S:
                 return False
         return True
-
-    def record_step_time(self, seconds: float) -> None:
-        """How long a batched step took on the device: steps near a frame's duration leave streams no headroom
-        (`overloaded`), and a pressed stream's frames come one batched step each (`pace_release`). The core
-        leaves out the first-frame slots' steps: a few rows, far quicker than a batched step beside them, they
-        would make both figures too low under load."""
-        ema = self.stats.step_seconds
-        self.stats.step_seconds = seconds if ema == 0.0 else 0.9 * ema + 0.1 * seconds
 
     def on_step_done(self, seq: int) -> None:
         """Step `seq` (and every step before it) has completed on the device: its slots are free to reuse."""
@@ -585,30 +561,16 @@ class Scheduler:
         fitting = [size for size in self.decode_sizes if size <= frames]
         return fitting[-1] if fitting else frames
 
-    # ----------------------------------------------------------------- delivery and load
+    # ----------------------------------------------------------------- delivery
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:
-        """A chunk's audio left the core: book its lateness against the stream's real-time schedule."""
+        """A chunk's audio left the core: book its lateness against the stream's real-time schedule (`load`)."""
         request = plan.request
         deadline = request.deadline()
         if deadline is None:
             request.first_audio = now
-        elif now > deadline:
-            self._last_late = now
-            self.stats.late_chunks += 1
-            self.stats.underrun_seconds += now - deadline
-            self._late_at.append(now)
+        else:
+            self.load.on_delivered(deadline, now)
         request.delivered_frames = plan.frame_start + plan.n_frames
-
-    def overloaded(self, now: float) -> bool:
-        """Whether new streams should be refused: steps are slow, or several chunks left late a moment ago."""
-        while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
-            self._late_at.popleft()
-        slow = self.stats.step_seconds > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
-        return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
-
-    def first_frames_paused(self, now: float) -> bool:
-        """Whether new streams skip the first-frame slots: a chunk left late less than FIRST_FRAME_PAUSE_S ago."""
-        return now - self._last_late < FIRST_FRAME_PAUSE_S
 
     def audio_streams(self) -> int:
         """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""

@@ -24,7 +24,7 @@ def test_streams_through_first_frame_slots_of_a_full_engine_make_their_codes_alo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from qwen3tts_agent import Engine, SamplingParams, Voice
-    from qwen3tts_agent.engine import scheduler as scheduler_module
+    from qwen3tts_agent.engine import device_load
     from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
     from qwen3tts_agent.engine.scheduler import Scheduler
     from qwen3tts_agent.models.loading import load_official_model
@@ -40,7 +40,7 @@ def test_streams_through_first_frame_slots_of_a_full_engine_make_their_codes_alo
         return moves
 
     monkeypatch.setattr(Scheduler, "make_room", recorded)
-    monkeypatch.setattr(scheduler_module, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk would pause the slots
+    monkeypatch.setattr(device_load, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk would pause the slots
     official = load_official_model("synthetic:tiny-customvoice", device="cuda", dtype=torch.float32, progress=False)
     engine = Engine(official, keep_codes=True, max_streams=2 * FIRST_FRAME_SLOTS + 2, max_seq_len=256,
                     first_frame_step_load=FIRST_FRAME_SLOTS, backend="torch")
