@@ -110,7 +110,7 @@ class EngineStats:
     speculation_misses: int = 0  # ... whose token turned out different, so the stream started over
     codec_decodes: int = 0  # batched codec calls (codec_chunks / codec_decodes is the mean batch)
     codec_chunks: int = 0  # audio chunks those calls decoded
-    early_codec_decodes: int = 0  # ... of the calls, those on the early lane (new streams' first two chunks, a GPU's)
+    early_codec_decodes: int = 0  # ... of the calls, those on a GPU's early lane (new streams' first two chunks)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
