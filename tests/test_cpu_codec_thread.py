@@ -30,28 +30,8 @@ def two_threads() -> Iterator[None]:
 
 def test_the_cores_are_split_between_the_frame_steps_and_the_codec() -> None:
     assert cpu_thread_split(1) == (1, 0)  # one core cannot run both at once
-    assert cpu_thread_split(2) == (2, 1)  # few cores: the codec's thread shares one with the frame steps
-    assert cpu_thread_split(3) == (3, 1)
-    assert cpu_thread_split(4) == (3, 1)
+    assert cpu_thread_split(2) == (1, 1)
     assert cpu_thread_split(16) == (12, 4)
-
-
-def test_frame_steps_sharing_a_core_with_the_codec_keep_a_pool_that_sleeps(
-    two_threads: None, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Even where the engine-core process asks for ONNX Runtime's shared pool (its threads spin between ops),
-    frame steps whose cores the codec's thread shares run on pools of their own, whose threads sleep."""
-    monkeypatch.setenv("QWEN3TTS_CPU_POOL", "shared")
-    engine = engine_for("synthetic:tiny", max_streams=1, backend="int8")
-    try:
-        runner = engine.core.runner
-        assert engine.backend == "int8"
-        assert (runner.threads, runner.shared_pool) == (2, False)  # type: ignore[attr-defined]
-        voice = Voice(prompt=engine.create_voice(reference_audio(), x_vector_only=True))
-        sampling = SamplingParams.greedy(max_frames=3, ignore_eos=True)
-        assert engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)[1].frames == 3
-    finally:
-        engine.close()
 
 
 def test_decodes_run_on_the_codec_thread_and_match_the_codec_on_the_loops_thread(

@@ -47,15 +47,13 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 def create_runner(
     model: OfficialModule, backend: str = "auto", *, cache_root: Path | None = None, progress: bool = True,
-    threads: int | None = None, spinning_pool: bool = True, **runner_kwargs: object,
+    threads: int | None = None, **runner_kwargs: object,
 ) -> ModelRunner:
     """The runner of `model` (an official `Qwen3TTSForConditionalGeneration`) for `backend`.
 
     `runner_kwargs` are `ModelRunner`'s (max_slots, max_seq_len, max_text_tokens, top_k_cap, fused_kernels);
     the CPU backends convert the weights first (cached, see `backends.cpu.store`) and run their graphs on
     `threads` cores (default: PyTorch's thread count; the PyTorch backend runs on its caller's).
-    `spinning_pool=False`: the CPU backends never take ONNX Runtime's shared pool, whose threads spin between
-    ops (for cores shared with another busy thread; `CpuRunner`'s `shared_pool`).
     """
     device = next(model.talker.parameters()).device
     backend = resolve_backend(backend, device)
@@ -66,8 +64,7 @@ def create_runner(
 
     runner_kwargs.pop("fused_kernels", None)  # Triton kernels are a GPU matter
     folder = prepare(model, backend, cache_root=cache_root, progress=progress)
-    shared_pool = None if spinning_pool else False
-    return CpuRunner(model, folder, backend, threads=threads, shared_pool=shared_pool, **runner_kwargs)  # type: ignore[arg-type]
+    return CpuRunner(model, folder, backend, threads=threads, **runner_kwargs)  # type: ignore[arg-type]
 
 
 def create_codec(decoder: OfficialModule, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:

@@ -76,22 +76,13 @@ def _wait(pending: Pending) -> None:
         pending.synchronize()
 
 
-# Below this many cores the frame steps keep every core and the codec's one thread shares one with them.
-FEW_CORES = 4
-
-
 def cpu_thread_split(threads: int) -> tuple[int, int]:
     """(frame-step threads, codec threads) for `threads` CPU cores; (threads, 0) where one core cannot run both.
 
     A quarter of the cores for the codec, at least one: a frame step, bound by memory bandwidth, loses little
-    to fewer cores, and the codec decoding beside it hides most of its own time (docs/cpu-backend.md). Below
-    FEW_CORES the codec's thread shares a core with the frame steps, which keep all of them: on two cores a
-    frame step on one thread read its weights at ~21 GB/s against ~27 on two, and the codec is busy about half
-    the time, so the frame steps gain more from the second core than they lose to the codec on it."""
+    to fewer cores, and the codec decoding beside it hides most of its own time (docs/cpu-backend.md)."""
     if threads < 2:
         return threads, 0
-    if threads < FEW_CORES:
-        return threads, 1
     codec = max(1, threads // 4)
     return threads - codec, codec
 

@@ -81,19 +81,15 @@ class EngineCore:
         self._sink = sink
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
-        # on a CPU the codec has a thread of its own beside the frame steps (engine/audio.py: cores of its own from
-        # four cores on, one shared with them below); not
+        # on a CPU the codec has a thread and cores of its own beside the frame steps (engine/audio.py); not
         # under Triton's interpreter (tests), which patches `triton.language` while it runs a kernel, so two
         # threads cannot interpret kernels at once
-        cores = torch.get_num_threads()
-        self._step_threads, codec_threads = cores, 0
+        self._step_threads, codec_threads = torch.get_num_threads(), 0
         if self.device.type == "cpu" and config.overlap_codec and not kernel_common.interpreting():
-            self._step_threads, codec_threads = cpu_thread_split(cores)
-        # one text-track token per frame at most, so a track never outgrows the cache; where the codec's thread
-        # shares the steps' cores, no ONNX Runtime pool that spins between ops (it would take the codec's core)
+            self._step_threads, codec_threads = cpu_thread_split(self._step_threads)
+        # one text-track token per frame at most, so a track never outgrows the cache
         self.runner = create_runner(
-            model, config.backend, threads=self._step_threads, spinning_pool=self._step_threads + codec_threads <= cores,
-            max_slots=config.max_streams,
+            model, config.backend, threads=self._step_threads, max_slots=config.max_streams,
             max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap,
             fused_kernels=config.fused_kernels,
             **prefix_store_options(
