@@ -2,7 +2,7 @@
 
 Under load the GPU is shared by three kinds of graph replay: the batched frame steps, the codec's decodes of
 every stream's chunks, and new streams' prompts. This times each captured graph of a warmed engine alone on
-the device (CUDA events around back-to-back replays, the median of several rounds) and adds up what one
+the device (CUDA events around each replay, the median of 30: `bench_codec_convs.median_ms`) and adds up what one
 utterance of `--frames` frames costs at a given batch: its share of `frames` frame steps of `rows` rows, of
 the codec calls that decode its chunks (the engine's chunk schedule) `codec_batch` streams at a time, and of
 one prompt. 1000 ms divided by that is the rate of new utterances one device could serve if nothing
@@ -16,35 +16,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.bench_codec_convs import median_ms
 from benchmarks.bench_engine import log
 from qwen3tts_agent import Engine
 from qwen3tts_agent.engine.cuda_graphs import split_frames
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
 from qwen3tts_agent.models.loading import load_official_model
-
-
-def device_ms(replay: Callable[[], None], replays: int = 20, rounds: int = 7) -> float:
-    """Median over `rounds` of the device time of one `replay()`, timed over `replays` back-to-back calls."""
-    for _ in range(3):
-        replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
 
 
 def chunk_lengths(frames: int, schedule: tuple[int, ...]) -> list[int]:
@@ -82,23 +64,23 @@ def main() -> None:
         runner.active.zero_()  # a frame's work with no slot's state moving
         with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream()):
             report["frame_ms"] = {
-                b: device_ms(functools.partial(frame_graphs, b, args.kv_len)) for b in frame_graphs.batch_buckets
+                b: median_ms(functools.partial(frame_graphs, b, args.kv_len)) for b in frame_graphs.batch_buckets
             }
             # the codec graphs decode scratch slots: no live stream's state moves
             report["codec_ms"] = {
-                f"{b}x{t}": device_ms(graph.replay)
+                f"{b}x{t}": median_ms(graph.replay)
                 for (b, t), (graph, _) in sorted(codec_graphs._graphs.items())
             }
             prefill = core.prefills.graphs
             if prefill is not None:
                 report["prompt_ms"] = {
-                    "x".join(map(str, key)): device_ms(graph.replay)
+                    "x".join(map(str, key)): median_ms(graph.replay)
                     for key, (graph, _) in sorted(prefill._graphs.items()) if key[0] == 1
                 }
             staged = core.prefills.staged_graphs
             if staged is not None and staged.captured:
                 report["staged_prompt_ms"] = {
-                    "x".join(map(str, key)): device_ms(graph.replay) for key, (graph, _) in sorted(staged._graphs.items())
+                    "x".join(map(str, key)): median_ms(graph.replay) for key, (graph, _) in sorted(staged._graphs.items())
                     if key[0] == 1
                 }
         runner.active.copy_(saved)
