@@ -56,7 +56,7 @@ if [ -n "${LOAD_PROFILE:-}" ]; then  # py-spy from .whl/tools: each window's pro
   [ -x /tmp/py-spy/bin/py-spy ] || $install --target /tmp/py-spy .whl/tools/py_spy-*.whl || exit 1
   server_args+=(--profile "$LOAD_PROFILE" --py-spy /tmp/py-spy/bin/py-spy)
 fi
-tar_profile() { [ -d "$out/$1" ] && tar czf "$out/$1-profile.tgz" -C "$out" "$1" && rm -rf "${out:?}/$1"; }
+tar_profile() { if [ -d "$out/$1" ]; then tar czf "$out/$1-profile.tgz" -C "$out" "$1" && rm -rf "${out:?}/$1"; fi; }
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in

@@ -92,7 +92,7 @@ def test_serve_without_the_server_extra_says_how_to_install_it() -> None:
 
 
 def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
-    """`--codec-hold-ms`, `--step-period-ms` and `--first-frame-step-load` reach the Engine's keywords, in its
+    """`--codec-hold-ms`, `--step-period-ms`, `--first-frame-step-load` and `--clock-first-frame-load` reach the Engine's keywords, in its
     units; a negative value is a clear error, and options left out keep the engine's defaults."""
     import argparse
 
@@ -105,9 +105,11 @@ def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
         return engine_options(parser.parse_args(["--model", "synthetic:tiny", *extra]), 16)
 
     assert options() == {"max_streams": 16, "backend": "auto"}
-    assert options("--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0") == {
+    assert options("--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0",
+                   "--clock-first-frame-load", "64") == {
         "max_streams": 16, "backend": "auto", "codec_hold_s": 0.03, "step_period_s": 0.015, "first_frame_step_load": 0,
+        "clock_first_frame_load": 64,
     }
-    for flag in ("--codec-hold-ms", "--step-period-ms", "--first-frame-step-load"):
+    for flag in ("--codec-hold-ms", "--step-period-ms", "--first-frame-step-load", "--clock-first-frame-load"):
         with pytest.raises(ValueError, match=flag):
             options(flag, "-1")

@@ -14,7 +14,7 @@ import pytest
 
 from qwen3tts_agent import SamplingParams, Voice
 from qwen3tts_agent.engine import device_load
-from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
+from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS, STEP_CLOCK_LOAD
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"
@@ -119,3 +119,41 @@ def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes
     assert made_room and all(slot < slots for slot in made_room), made_room
     for stream in streams:
         assert stream.result.codes == alone.result.codes[: len(stream.result.codes)]
+
+
+def test_on_a_full_device_first_frames_wait_for_the_clock_and_change_no_code() -> None:
+    """From `clock_first_frame_load` streams stepping, a new stream's first frame goes in the step clock's
+    batched steps (`Scheduler.paced` holds the step that carries it, as it holds every other); each stream's
+    codes and audio are still those it makes alone. Step clock and loads set low for a CPU."""
+    load = STEP_CLOCK_LOAD
+    engine = engine_for("synthetic:tiny", max_streams=load + 4, step_period_s=0.05, first_frame_step_load=0,
+                        clock_first_frame_load=load)
+    scheduler = engine.core.scheduler
+    paced_first_frames: list[bool] = []  # for each pacing decision over a step that carries a first frame
+    paced = scheduler.paced
+
+    def spy(rows):  # type: ignore[no-untyped-def]
+        result = paced(rows)
+        if sum(1 for r in rows if r.frames_launched) >= load and any(not r.frames_launched for r in rows):
+            paced_first_frames.append(result)
+        return result
+
+    scheduler.paced = spy  # type: ignore[method-assign]
+    try:
+        voice = xvector_voice(engine)
+        alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
+                 for n in (40, 24)}
+        running = [_run(engine, voice, 40) for _ in range(load)]
+        chunks = running[0].chunks(timeout=120)
+        started = [next(chunks)]  # they are stepping now
+        new = [_run(engine, voice, 24) for _ in range(2)]
+        new_audio = [_audio(s.chunks(timeout=120)) for s in new]
+        running_audio = [_audio(chunks, started)] + [_audio(s.chunks(timeout=120)) for s in running[1:]]
+    finally:
+        engine.close()
+    assert paced_first_frames and all(paced_first_frames), paced_first_frames
+    for streams, audio, frames in ((running, running_audio, 40), (new, new_audio, 24)):
+        pcm_alone, result_alone = alone[frames]
+        for stream, pcm in zip(streams, audio, strict=True):
+            assert stream.result.codes == result_alone.codes
+            np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)

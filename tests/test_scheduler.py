@@ -316,6 +316,48 @@ def test_batched_steps_keep_to_the_clock_under_load_unless_they_carry_a_first_fr
     assert not make_scheduler().paced([a, b])  # no pace load: never
 
 
+def test_on_a_full_device_a_new_streams_first_frame_waits_for_the_clock_too() -> None:
+    """From `clock_first_frame_load` streams stepping, a step carrying a first frame is paced like any other
+    (no step of every row set off by each arrival), and below it is not."""
+    scheduler = make_scheduler(pace_load=2, clock_first_frame_load=3)
+    running = [make_request(f"r{i}") for i in range(3)]
+    for r in running[:2]:
+        start(scheduler, r, [5, 6])
+    step(scheduler, 0.0)
+    start(scheduler, running[2], [5, 6])
+    assert not scheduler.paced(scheduler.runnable())  # two stepping: its first frame goes at once
+    step(scheduler, 0.01)
+    new = make_request("new")
+    start(scheduler, new, [5, 6])
+    rows = scheduler.runnable()
+    assert new in rows and scheduler.paced(rows)  # three stepping: it waits for the tick with them
+    assert scheduler.pace_release(rows, 0.02) == float("inf")  # nobody presses before their next chunk
+    with pytest.raises(ValueError):
+        make_scheduler(clock_first_frame_load=-1)
+
+
+def test_on_a_full_device_new_streams_take_no_first_frame_slot() -> None:
+    """First-frame slots serve from `first_frame_load` streams stepping up to `clock_first_frame_load`: above
+    it a new stream takes the lowest slot as a batched stream, and no room is made there for arrivals."""
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2, clock_first_frame_load=2)
+    _, busy = _under_load(scheduler)  # two stepping (slots 2, 3), slots 0 and 1 free again
+    new = make_request("new")
+    start(scheduler, new, [5, 6], now=0.02)
+    assert new.slot == 0 and scheduler.first_frame_rows(0.02, 0.02) == []
+    rows = scheduler.runnable()
+    assert new in rows and scheduler.early_release(rows, 0.02, 0.02) == float("-inf")
+    step(scheduler, 0.03)
+    other = make_request("other")
+    start(scheduler, other, [5, 6], now=0.04)  # slot 1, the last first-frame slot
+    scheduler.add(make_request("waiting"))
+    assert scheduler.make_room(0.04, 0.02) == []
+    below = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2, clock_first_frame_load=3)
+    _under_load(below)
+    fresh = make_request("fresh")
+    start(below, fresh, [5, 6], now=0.02)
+    assert below.first_frame_rows(0.02, 0.02) == [fresh]  # two stepping, under the clock load: a first-frame slot
+
+
 def test_a_first_frame_is_in_flight_from_its_launch_until_its_codes_are_read() -> None:
     scheduler = make_scheduler()
     a, b = make_request("a"), make_request("b")

@@ -35,6 +35,7 @@ class CoreConfig:
     first_frame_load: int = 0  # ... from this many streams stepping
     step_period_s: float = 0.0  # under load, batched steps at most this often (StepPacer's clock); 0: off
     pace_load: int = 0  # ... from this many streams stepping (Scheduler.paced)
+    clock_first_frame_load: int = 0  # ... and new streams' first frames too from this many (Scheduler); 0: never
     first_audio_alone: bool = False  # at any load, a step waits while a new stream's first frame and chunk run
 
 

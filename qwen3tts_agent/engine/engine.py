@@ -60,6 +60,10 @@ STEP_CLOCK_LOAD = 8
 # From how many streams stepping at once first-frame slots are used: where the step clock starts, since a new
 # stream's first frame in a batched step would send that step, and every stream in it, off before its tick.
 FIRST_FRAME_STEP_LOAD = STEP_CLOCK_LOAD
+# From how many streams stepping at once new streams' first frames also wait for the step clock, and take no
+# first-frame slot (`clock_first_frame_load`): a device this full makes more frames a second in the clock's
+# fuller steps than in steps set off by every arrival (engine/scheduler.py; docs/performance.md has the runs).
+GPU_CLOCK_FIRST_FRAME_LOAD = 96
 # The step clock's period on a GPU (`step_period_s`): streams at about 4x real time under load, which gives the
 # chunk schedule's early chunks room to spare (a 2-frame second chunk due 80 ms after the first: docs/gpu.md).
 GPU_STEP_PERIOD_S = 0.02
@@ -126,6 +130,7 @@ class Engine(EngineFrontend):
         codec_hold_s: float | None = None,
         first_frame_step_load: int | None = None,
         step_period_s: float | None = None,
+        clock_first_frame_load: int | None = None,
         first_audio_alone: bool | None = None,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
@@ -165,6 +170,10 @@ class Engine(EngineFrontend):
         new stream's first frame runs and its first chunk decodes (unless a stream's next chunk would then
         be late). The audio is the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a
         GPU with the "torch" backend, else 0.
+        `clock_first_frame_load`: from this many streams stepping at once, a new stream's first frame waits for
+        the step clock's tick too, and takes no first-frame slot: on a device that full, steps set off by every
+        arrival (each of every stream) would make fewer frames a second than the clock's fuller ones. 0: never;
+        None: `GPU_CLOCK_FIRST_FRAME_LOAD` wherever there is a step clock.
         `first_audio_alone`: below the step clock's load too, a frame step waits while a new stream's first
         frame runs and its first chunk decodes, unless a stream's next chunk would then be late: the first
         chunk's few hundred small codec kernels then have the device to themselves instead of sharing it
@@ -191,6 +200,7 @@ class Engine(EngineFrontend):
             codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
             **self._first_frame_step(first_frame_step_load, max_streams),
             step_period_s=self._step_period(step_period_s), pace_load=STEP_CLOCK_LOAD,
+            clock_first_frame_load=self._clock_first_frame_load(clock_first_frame_load),
             first_audio_alone=(
                 self.device.type == "cuda" and self.backend == "torch" if first_audio_alone is None else first_audio_alone
             ),
@@ -224,6 +234,14 @@ class Engine(EngineFrontend):
         if self.backend != "torch" or max_streams <= FIRST_FRAME_SLOTS:
             raise ValueError(f"a first-frame step needs the torch backend and more than {FIRST_FRAME_SLOTS} slots")
         return {"first_frame_slots": FIRST_FRAME_SLOTS, "first_frame_load": load}
+
+    def _clock_first_frame_load(self, load: int | None) -> int:
+        """`Engine(clock_first_frame_load=...)` for the core (it matters only with a step clock)."""
+        if load is None:
+            return GPU_CLOCK_FIRST_FRAME_LOAD
+        if load < 0:
+            raise ValueError(f"clock_first_frame_load must not be negative, got {load}")
+        return load
 
     def _step_period(self, period_s: float | None) -> float:
         """The step clock's period for `Engine(step_period_s=...)`."""

@@ -28,6 +28,14 @@ those small steps cost more than they give: a first-frame step of a few rows tak
 step of a hundred, and every stream then gets fewer frames a second. So for a while after a chunk leaves late,
 new streams take no first-frame slot and step in the batched steps (`DeviceLoad.first_frames_paused`).
 
+The full device. A batched step that carries a new stream's first frame never waits for the step clock
+(`paced`), so under heavy traffic every arrival sets off a step of every row: steps then come as often as
+streams arrive, each of fewer rows than the clock's would be, and a step's time grows far slower than its
+rows (a step of 256 rows takes about 1.3 times one of 128), so the device spends more per frame made.
+From `clock_first_frame_load` streams stepping, therefore, a new stream takes no first-frame slot either, and
+its first frame waits for the clock's next tick like every other frame: a few milliseconds more to first
+audio for fuller steps.
+
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
 would wait two token intervals for its first frame. Instead the first frame runs on the second token as the
@@ -93,6 +101,7 @@ class Scheduler:
         first_frame_slots: int = 0,
         first_frame_load: int = 0,
         pace_load: int = 0,
+        clock_first_frame_load: int = 0,
     ) -> None:
         """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
         than keep to its chunk schedule (which an engine slower than the schedule assumes would starve).
@@ -103,7 +112,9 @@ class Scheduler:
         `first_frame_slots`: how many of the lowest slots new streams take under load, to run their first
         frame in a step of their own (module docstring); 0 for none. `first_frame_load`: the streams stepping
         from which they do (at least `first_frame_slots`). `pace_load`: the streams stepping from which
-        batched steps keep to the step clock (`paced`); 0: never."""
+        batched steps keep to the step clock (`paced`); 0: never. `clock_first_frame_load`: the streams stepping
+        from which new streams' first frames keep to it too and take no first-frame slot (module docstring);
+        0: never."""
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
@@ -121,6 +132,9 @@ class Scheduler:
         if pace_load < 0:
             raise ValueError(f"pace_load must not be negative, got {pace_load}")
         self.pace_load = pace_load
+        if clock_first_frame_load < 0:
+            raise ValueError(f"clock_first_frame_load must not be negative, got {clock_first_frame_load}")
+        self.clock_first_frame_load = clock_first_frame_load
         self.waiting: list[RequestState] = []  # added, no slot yet (FIFO)
         self.running: dict[int, RequestState] = {}  # slot -> request
         self.finishing: list[RequestState] = []  # ended, last chunk not delivered yet
@@ -238,9 +252,7 @@ class Scheduler:
         admitted: list[RequestState] = []
         if not (self.waiting and self._free_slots):
             return admitted  # the usual turn: nothing to admit (and no count of the streams stepping)
-        under_load = (
-            bool(self.first_frame_slots) and not self.load.first_frames_paused(now) and self._stepping() >= self.first_frame_load
-        )
+        under_load = bool(self.first_frame_slots) and not self.load.first_frames_paused(now) and self._first_frame_slots_used()
         while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
             request.slot = heapq.heappop(self._free_slots)
@@ -265,7 +277,7 @@ class Scheduler:
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
         wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
-        if wanted <= 0 or self._stepping() < self.first_frame_load:
+        if wanted <= 0 or not self._first_frame_slots_used():
             return []
         low = (self.running.get(slot) for slot in range(self.first_frame_slots))  # also streams admitted below the load
         movable = [r for r in low if r is not None and r.frames_launched and r.finish_reason is None]
@@ -306,6 +318,16 @@ class Scheduler:
     def _stepping(self) -> int:
         """Streams that have had a frame step and are not finished: the rows of the next step."""
         return sum(1 for request in self.running.values() if request.frames_launched and request.finish_reason is None)
+
+    def _first_frame_slots_used(self) -> bool:
+        """Whether new streams take first-frame slots at the present load: from `first_frame_load` streams
+        stepping, below `clock_first_frame_load`."""
+        stepping = self._stepping()
+        return self.first_frame_load <= stepping and not self._clocks_first_frames(stepping)
+
+    def _clocks_first_frames(self, stepping: int) -> bool:
+        """Whether, with `stepping` streams stepping, new streams' first frames wait for the step clock."""
+        return bool(self.clock_first_frame_load) and stepping >= self.clock_first_frame_load
 
     def prefill_plans(self) -> list[PrefillPlan]:
         """Prompt pieces ready to run: heads of admitted requests, and bodies whose text is final enough."""
@@ -390,8 +412,12 @@ class Scheduler:
 
     def paced(self, rows: Sequence[RequestState]) -> bool:
         """Whether a batched step of `rows` waits for the step clock (`StepPacer`): under load (`pace_load`
-        streams stepping or more), unless it carries a new stream's first frame, which never waits for a tick."""
-        return bool(self.pace_load) and len(rows) >= self.pace_load and all(r.frames_launched for r in rows)
+        streams stepping or more), unless it carries a new stream's first frame, which waits for a tick only
+        on a full device (`clock_first_frame_load` streams stepping or more; module docstring)."""
+        if not self.pace_load or len(rows) < self.pace_load:
+            return False
+        stepping = sum(1 for r in rows if r.frames_launched)
+        return stepping == len(rows) or self._clocks_first_frames(stepping)
 
     def pace_release(self, rows: Sequence[RequestState], period_s: float, margin_s: float = PACE_MARGIN_S) -> float:
         """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still

@@ -91,6 +91,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "of their own instead of waiting for the batched step (default: 8 on a GPU, never on the CPU; "
                    "0: never, new streams join the batched steps: fewer, fuller steps under heavy load); "
                    "docs/server.md")
+    p.add_argument("--clock-first-frame-load", type=int,
+                   help="from this many streams stepping at once, a new stream's first frame also waits for the step "
+                   "clock's tick (fuller steps on a full device, a few ms more to first audio; default: 96; 0: never); "
+                   "docs/server.md")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -137,6 +141,10 @@ def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str
         if args.first_frame_step_load < 0:
             raise ValueError("--first-frame-step-load must not be negative")
         options["first_frame_step_load"] = args.first_frame_step_load
+    if args.clock_first_frame_load is not None:
+        if args.clock_first_frame_load < 0:
+            raise ValueError("--clock-first-frame-load must not be negative")
+        options["clock_first_frame_load"] = args.clock_first_frame_load
     return options
 
 
