@@ -7,8 +7,20 @@ import pytest
 
 from qwen3tts_agent.engine.device_load import FIRST_FRAME_PAUSE_S, LATE_CHUNKS_TO_SHED, LATE_WINDOW_S
 from qwen3tts_agent.engine.pacer import StepPacer
-from qwen3tts_agent.engine.requests import FRAME_SECONDS, PromptShape, RequestState, runaway_frame_limit
-from qwen3tts_agent.engine.scheduler import URGENT_SLACK_S, Scheduler
+from qwen3tts_agent.engine.requests import (
+    FRAME_SECONDS,
+    URGENT_SLACK_S,
+    PromptShape,
+    RequestState,
+    runaway_frame_limit,
+)
+from qwen3tts_agent.engine.scheduler import Scheduler
+from qwen3tts_agent.engine.step_timing import (
+    EARLY_HOLD_MARGIN_S,
+    PACE_MARGIN_S,
+    first_frame_in_flight,
+    steps_can_wait,
+)
 from qwen3tts_agent.engine.types import FinishReason, TextLayout
 
 EOS_TEXT = 999
@@ -364,18 +376,17 @@ def test_a_first_frame_is_in_flight_from_its_launch_until_its_codes_are_read() -
     start(scheduler, a, [5, 6])
     step(scheduler, 0.0)
     start(scheduler, b, [5, 6])
-    assert not scheduler.first_frame_in_flight(scheduler.runnable())  # b's first frame is not queued yet
+    assert not first_frame_in_flight(scheduler.runnable())  # b's first frame is not queued yet
     rows = scheduler.runnable()
     seq = scheduler.on_launched(rows)
-    assert scheduler.first_frame_in_flight(scheduler.runnable())
+    assert first_frame_in_flight(scheduler.runnable())
     codes = np.zeros((SLOTS, 16), dtype=np.int64)
     scheduler.on_frame(rows, [r.slot for r in rows], codes, np.zeros(SLOTS), 0.01)
     scheduler.on_step_done(seq)
-    assert not scheduler.first_frame_in_flight(scheduler.runnable())
+    assert not first_frame_in_flight(scheduler.runnable())
 
 
 def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late() -> None:
-    from qwen3tts_agent.engine.scheduler import PACE_MARGIN_S
 
     scheduler = make_scheduler(pace_load=1)
     a = make_request("a", schedule=(1, 2, 4))
@@ -391,7 +402,6 @@ def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late(
 
 
 def test_the_release_counts_the_missing_frames_at_the_devices_step_time_up_to_a_period() -> None:
-    from qwen3tts_agent.engine.scheduler import PACE_MARGIN_S
 
     scheduler = make_scheduler(pace_load=1)
     a = make_request("a", schedule=(1, 2, 4))
@@ -417,10 +427,10 @@ def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_li
             scheduler.on_fed(r, ids)
         step(scheduler, 0.01 * i)
     assert ahead.ahead_s(0.2) == pytest.approx(13 * FRAME_SECONDS - 0.2)
-    assert scheduler.steps_can_wait([ahead], 0.2)
-    assert not scheduler.steps_can_wait([ahead], 0.7)  # played on: now only 0.34 s ahead
+    assert steps_can_wait([ahead], 0.2)
+    assert not steps_can_wait([ahead], 0.7)  # played on: now only 0.34 s ahead
     start(scheduler, fresh, [5, 6])
-    assert not scheduler.steps_can_wait([ahead, fresh], 0.2)  # a stream without first audio never waits
+    assert not steps_can_wait([ahead, fresh], 0.2)  # a stream without first audio never waits
 
 
 def _prefill(scheduler: Scheduler, now: float = 0.0) -> None:
@@ -604,7 +614,6 @@ def test_where_batched_steps_are_slow_a_new_stream_stays_longer_in_its_first_fra
 
 
 def test_batched_steps_wait_for_new_streams_in_first_frame_slots_while_the_others_have_slack() -> None:
-    from qwen3tts_agent.engine.scheduler import EARLY_HOLD_MARGIN_S
 
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _, busy = _under_load(scheduler)

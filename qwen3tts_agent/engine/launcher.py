@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from . import step_timing
 from .audio import AudioPipeline
 from .core_config import CoreStats
 from .pacer import StepPacer
@@ -28,7 +29,7 @@ from .steps import FrameSteps
 from .types import SamplingParams
 
 # Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
-# for it (see `Scheduler.steps_can_wait`), so the codec lane gets the device before listeners starve.
+# for it (see `step_timing.steps_can_wait`), so the codec lane gets the device before listeners starve.
 URGENT_AUDIO_S = 0.06
 
 
@@ -131,7 +132,7 @@ class StepLauncher:
         # themselves instead of queueing for it behind the step's.
         may_hold = paced or (self._first_audio_alone and all(r.frames_launched for r in rows))
         held = early or (
-            may_hold and (self.scheduler.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
+            may_hold and (step_timing.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
         )
         if held:
             if self._release is None:  # until the next step, collect or delivery changes a stream's need
@@ -144,7 +145,7 @@ class StepLauncher:
         if now < self._early_release:
             self._waited_for_audio = True
             return False
-        if self.audio.urgent(now, URGENT_AUDIO_S) and self.scheduler.steps_can_wait(rows, now):
+        if self.audio.urgent(now, URGENT_AUDIO_S) and step_timing.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
             return False
         self._move_settled(now)  # out of first-frame slots, right before this step

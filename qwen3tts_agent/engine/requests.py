@@ -16,6 +16,8 @@ FRAME_SECONDS = 0.08  # one codec frame of audio
 # Speech runs about 3-4 frames per text token; twice a slow speaker's rate plus two seconds is generous.
 RUNAWAY_BASE_FRAMES = 25
 RUNAWAY_FRAMES_PER_TOKEN = 8
+# A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
+URGENT_SLACK_S = 0.04
 
 
 def runaway_frame_limit(text_tokens: int) -> int:
@@ -174,3 +176,26 @@ def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
         return (0, plan.request.submitted)
     deadline = plan.request.deadline()
     return (1, deadline if deadline is not None else now)
+
+
+def cut_chunk(request: RequestState, now: float, *, adapt: bool, decode_sizes: list[int]) -> ChunkPlan | None:
+    """The chunk a request's pending frames make now, if one is due: its next scheduled chunk once it has the
+    frames, every frame left once it has ended, and with `adapt` (deadline-aware chunking), as soon as its
+    next chunk is due within `URGENT_SLACK_S`, the most of its frames one decode takes (the longest of the
+    sorted `decode_sizes` they fill, so that it costs one codec call; the rest are due later)."""
+    if not request.pending:
+        return None
+    ended = request.finish_reason is not None
+    deadline = request.deadline()
+    urgent = adapt and deadline is not None and deadline - now < URGENT_SLACK_S
+    if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
+        return None
+    if ended:
+        n = len(request.pending)
+    elif urgent:
+        fitting = [size for size in decode_sizes if size <= len(request.pending)]
+        n = fitting[-1] if fitting else len(request.pending)
+    else:
+        n = request.next_chunk_frames
+    start, index = request.pending_start, request.chunk_index
+    return ChunkPlan(request, request.take_pending(n), start, index, ended and not request.pending, now)

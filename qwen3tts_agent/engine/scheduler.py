@@ -46,29 +46,18 @@ without speculating again. Audio that leaves the core is therefore always the au
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from . import step_timing
 from .device_load import DeviceLoad
-from .requests import FRAME_SECONDS, ChunkPlan, PrefillPlan, RequestState, urgency
+from .requests import ChunkPlan, PrefillPlan, RequestState, cut_chunk, urgency
+from .slots import SlotPool
+from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
 from .types import FIRST_FRAME_TEXT_TOKENS, FinishReason
-
-# A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
-URGENT_SLACK_S = 0.04
-# A paced step waits for the step clock only while every stream in it would still have its next chunk in
-# time: the frames that chunk lacks at one step each, plus this long for the last step, the decode and delivery.
-PACE_MARGIN_S = 0.04
-# While new streams step in their first-frame slots, a batched step waits for them until a stream's next chunk
-# would otherwise be made less than this long before its deadline (its decode and delivery under load); a new
-# stream leaves those slots once batched steps can make its next chunk with this margin and a step to spare.
-EARLY_HOLD_MARGIN_S = 0.1
-# A frame step may wait for urgent audio decodes when every stream in it has at least this much audio made
-# beyond what its listener has heard: the audio is due sooner than their next frames.
-STEP_CAN_WAIT_AHEAD_S = 0.5
 
 
 class SlotMove(NamedTuple):
@@ -142,13 +131,7 @@ class Scheduler:
         self._prompting: dict[RequestState, None] = {}  # admitted, prompt body not prefilled yet
         self._new_text: dict[RequestState, None] = {}  # text, its end or a prefilled body since the last feed
         self.requests: dict[str, RequestState] = {}
-        self._free_slots = list(range(max_slots))
-        heapq.heapify(self._free_slots)
-        # A released slot may still be a live row of a step in flight; it is reused only after that step
-        # has completed, so a new request's set-up (on the prefill lane) never races the old request's frame.
-        self._quarantine: list[tuple[int, int]] = []  # (last step that may hold it, slot)
-        self._launched_steps = 0
-        self._completed_steps = 0
+        self.slots = SlotPool(max_slots)  # free once no step in flight may hold them (engine/slots.py)
         self.load = DeviceLoad()  # the steps' times and the late chunks (refusals, first-frame pauses)
 
     # ----------------------------------------------------------------- requests
@@ -236,11 +219,8 @@ class Scheduler:
             self.running.pop(request.slot, None)
             last = request.last_step
             if request.fed_before_step > last:  # text fed after its last step: every step queued since
-                last = self._launched_steps
-            if last <= self._completed_steps:
-                heapq.heappush(self._free_slots, request.slot)
-            else:
-                self._quarantine.append((last, request.slot))
+                last = self.slots.launched_steps
+            self.slots.release(request.slot, last)
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -250,12 +230,12 @@ class Scheduler:
         """Give waiting requests free slots, oldest first, at most a prefill batch of them per call: the lowest
         free slot, which under load is a first-frame slot while one is free (module docstring)."""
         admitted: list[RequestState] = []
-        if not (self.waiting and self._free_slots):
+        if not (self.waiting and self.slots):
             return admitted  # the usual turn: nothing to admit (and no count of the streams stepping)
         under_load = bool(self.first_frame_slots) and not self.load.first_frames_paused(now) and self._first_frame_slots_used()
-        while self.waiting and self._free_slots and len(admitted) < self.max_prefill_rows:
+        while self.waiting and self.slots and len(admitted) < self.max_prefill_rows:
             request = self.waiting.pop(0)
-            request.slot = heapq.heappop(self._free_slots)
+            request.slot = self.slots.take_lowest()
             if under_load and request.slot < self.first_frame_slots:
                 self._first_frame.append(request)
             request.admitted_at = request.admitted_at or now  # a restarted request keeps its first admission
@@ -273,10 +253,10 @@ class Scheduler:
         the load, which would stay): first those that nothing queued on the device may still write
         (`_at_rest`), then `settled` ones, then the furthest along. The old slot is free at once: the caller
         copies the state before it sets up any new request on the prompts' lane (`SlotMove`)."""
-        if not (self.first_frame_slots and self.waiting and self._free_slots) or self.load.first_frames_paused(now):
+        if not (self.first_frame_slots and self.waiting and self.slots) or self.load.first_frames_paused(now):
             return []
         wanted = min(len(self.waiting), self.max_prefill_rows)
-        wanted -= sum(1 for slot in self._free_slots if slot < self.first_frame_slots)
+        wanted -= self.slots.free_below(self.first_frame_slots)
         if wanted <= 0 or not self._first_frame_slots_used():
             return []
         low = (self.running.get(slot) for slot in range(self.first_frame_slots))  # also streams admitted below the load
@@ -284,13 +264,13 @@ class Scheduler:
         movable.sort(key=lambda r: (not self._at_rest(r), not self.settled(r, now, period_s), -r.frames))
         moved = []
         for request in movable[:wanted]:
-            above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
-            if not above:
+            new = self.slots.lowest_free_from(self.first_frame_slots)
+            if new is None:
                 break
             at_rest = self._at_rest(request)
-            _, old, new = self._move(request, min(above))
+            old = self._move(request, new)
             moved.append(SlotMove(request, old, new, after_steps=not at_rest))
-            heapq.heappush(self._free_slots, old)
+            self.slots.give_back(old)
         return moved
 
     def _at_rest(self, request: RequestState) -> bool:
@@ -299,13 +279,12 @@ class Scheduler:
         return (
             request.finish_reason is None
             and request.frames_launched == request.frames > 0
-            and request.fed_before_step <= self._completed_steps
+            and request.fed_before_step <= self.slots.completed_steps
         )
 
-    def _move(self, request: RequestState, new: int) -> tuple[RequestState, int, int]:
-        """Take free slot `new` for a request in a first-frame slot; its old slot is the caller's to free."""
-        self._free_slots.remove(new)
-        heapq.heapify(self._free_slots)
+    def _move(self, request: RequestState, new: int) -> int:
+        """Move a request in a first-frame slot to slot `new`, taken from the pool; returns its old slot, the
+        caller's to free."""
         old = request.slot
         assert old is not None
         del self.running[old]
@@ -313,7 +292,7 @@ class Scheduler:
         request.slot = new
         if request in self._first_frame:
             self._first_frame.remove(request)
-        return request, old, new
+        return old
 
     def _stepping(self) -> int:
         """Streams that have had a frame step and are not finished: the rows of the next step."""
@@ -391,7 +370,7 @@ class Scheduler:
 
     def on_fed(self, request: RequestState, ids: Sequence[int]) -> None:
         request.track_len += len(ids)
-        request.fed_before_step = self._launched_steps + 1
+        request.fed_before_step = self.slots.launched_steps + 1
         if request.closed:
             request.eos_fed = True
 
@@ -420,22 +399,11 @@ class Scheduler:
         return stepping == len(rows) or self._clocks_first_frames(stepping)
 
     def pace_release(self, rows: Sequence[RequestState], period_s: float, margin_s: float = PACE_MARGIN_S) -> float:
-        """Until when a paced step of `rows` may wait for the clock (`paced`): the latest start that still
-        gives every stream its next chunk's missing frames, one step each, and `margin_s` for the last step
-        and the decode, before that chunk's deadline; infinity if no stream presses. A step takes the
-        device's recent step time (`DeviceLoad.record_step_time`; a period before any was measured, and at most one):
-        a released step's successors are released by the same rule, one step later each, so a pressed
-        stream's frames go back to back rather than one a tick."""
-        step_s = min(period_s, self.load.stats.step_seconds) if self.load.stats.step_seconds else period_s
-        release = math.inf
-        for request in rows:
-            deadline = request.deadline()
-            if deadline is None:  # its first chunk is on its way: its next is due a frame after that leaves
-                continue
-            missing = request.next_chunk_frames - len(request.pending) - (request.frames_launched - request.frames)
-            if missing > 0:
-                release = min(release, deadline - missing * step_s - margin_s)
-        return release
+        """Until when a paced step of `rows` may wait for the clock (`paced`): `step_timing.pace_release` at the
+        device's recent step time (`DeviceLoad.record_step_time`; a period before any was measured, and at
+        most one)."""
+        seconds = self.load.stats.step_seconds
+        return step_timing.pace_release(rows, min(period_s, seconds) if seconds else period_s, margin_s)
 
     def early_release(self, rows: Sequence[RequestState], now: float, period_s: float) -> float:
         """Until when a batched step of `rows` waits for new streams stepping in their first-frame slots
@@ -452,21 +420,9 @@ class Scheduler:
         return in_flight or (self._can_step(request) and not self.settled(request, now, period_s))
 
     def settled(self, request: RequestState, now: float, period_s: float) -> bool:
-        """Whether batched steps, one frame each (the device's step time, at least the clock's `period_s`),
-        would make a stream's next chunk with `EARLY_HOLD_MARGIN_S` and a step to spare before its listener
-        runs out of the audio cut so far (counted from now while its first chunk is on its way). A stream
-        with a frame in flight or none made yet is not (what it lacks is not known yet)."""
-        if request.frames == 0 or request.frames_launched > request.frames:
-            return False
-        step_s = max(period_s, self.load.stats.step_seconds)
-        start = request.first_audio if request.first_audio is not None else now
-        runs_out = start + request.pending_start * FRAME_SECONDS
-        missing = max(0, request.next_chunk_frames - len(request.pending))
-        return now + (missing + 1) * step_s + EARLY_HOLD_MARGIN_S <= runs_out
-
-    def first_frame_in_flight(self, rows: Sequence[RequestState]) -> bool:
-        """Whether a stream among `rows` has its first frame on the device (queued, not yet read back)."""
-        return any(r.frames == 0 and r.frames_launched for r in rows)
+        """Whether a new stream can leave its first-frame slot: `step_timing.settled` at the device's step time,
+        at least the clock's `period_s`."""
+        return step_timing.settled(request, now, max(period_s, self.load.stats.step_seconds))
 
     def first_frame_rows(self, now: float, period_s: float) -> list[RequestState]:
         """Requests in first-frame slots whose next frame can run now, in a step of those slots alone: new
@@ -486,11 +442,12 @@ class Scheduler:
         for request in list(self._first_frame):
             if not (self.settled(request, now, period_s) or self._waits_for_text(request)):
                 continue
-            above = [slot for slot in self._free_slots if slot >= self.first_frame_slots]
-            if not above:
+            new = self.slots.lowest_free_from(self.first_frame_slots)
+            if new is None:
                 break
-            moved.append(self._move(request, min(above)))
-            self._quarantine.append((self._launched_steps + 1, moved[-1][1]))
+            old = self._move(request, new)
+            moved.append((request, old, new))
+            self.slots.release(old, self.slots.launched_steps + 1)  # free once the step queued after the copy is done
         return moved
 
     def _waits_for_text(self, request: RequestState) -> bool:
@@ -499,36 +456,20 @@ class Scheduler:
 
     def on_launched(self, rows: Sequence[RequestState]) -> int:
         """A step with these rows was queued on the device; returns its sequence number."""
-        self._launched_steps += 1
+        seq = self.slots.on_launched()
         for request in rows:
             request.position += 1
             request.frames_launched += 1
-            request.last_step = self._launched_steps
-        return self._launched_steps
-
-    def steps_can_wait(self, rows: Sequence[RequestState], now: float) -> bool:
-        """Whether a step for `rows` may yield the device to urgent audio: every row is well ahead of its
-        playback (a stream still waiting for its first audio never waits)."""
-        for request in rows:
-            ahead = request.ahead_s(now)
-            if ahead is None or ahead < STEP_CAN_WAIT_AHEAD_S:
-                return False
-        return True
+            request.last_step = seq
+        return seq
 
     def on_step_done(self, seq: int) -> None:
         """Step `seq` (and every step before it) has completed on the device: its slots are free to reuse."""
-        self._completed_steps = max(self._completed_steps, seq)
-        keep = []
-        for last, slot in self._quarantine:
-            if last <= self._completed_steps:
-                heapq.heappush(self._free_slots, slot)
-            else:
-                keep.append((last, slot))
-        self._quarantine = keep
+        self.slots.on_completed(seq)
 
     def on_steps_abandoned(self) -> None:
         """Steps in flight were dropped (a failed step): nothing on the device holds a slot any more."""
-        self.on_step_done(self._launched_steps)
+        self.on_step_done(self.slots.launched_steps)
 
     def on_frame(
         self, rows: Sequence[RequestState], slots: Sequence[int], codes: np.ndarray, finished: np.ndarray, now: float
@@ -557,35 +498,13 @@ class Scheduler:
                 request.finish_reason = FinishReason.MAX_FRAMES  # the KV cache is full
         plans = []
         for request in list(self.running.values()):
-            plan = self._due_chunk(request, now)
+            plan = cut_chunk(request, now, adapt=self.adapt_chunks, decode_sizes=self.decode_sizes)
             if plan is not None:
                 plans.append(plan)
             if request.finish_reason is not None:
                 self._release(request)
                 self.finishing.append(request)
         return sorted(plans, key=lambda p: urgency(p, now))
-
-    def _due_chunk(self, request: RequestState, now: float) -> ChunkPlan | None:
-        if not request.pending:
-            return None
-        ended = request.finish_reason is not None
-        deadline = request.deadline()
-        urgent = self.adapt_chunks and deadline is not None and deadline - now < URGENT_SLACK_S
-        if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
-            return None
-        if ended:
-            n = len(request.pending)
-        elif urgent:
-            n = self._one_piece(len(request.pending))
-        else:
-            n = request.next_chunk_frames
-        start, index = request.pending_start, request.chunk_index
-        return ChunkPlan(request, request.take_pending(n), start, index, ended and not request.pending, now)
-
-    def _one_piece(self, frames: int) -> int:
-        """The most of `frames` pending frames that one decode takes (the rest wait: they are due later)."""
-        fitting = [size for size in self.decode_sizes if size <= frames]
-        return fitting[-1] if fitting else frames
 
     # ----------------------------------------------------------------- delivery
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:
