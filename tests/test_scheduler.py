@@ -782,3 +782,19 @@ def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_paus
     after = 0.1 + FIRST_FRAME_PAUSE_S
     assert not scheduler.load.first_frames_paused(after)
     assert [m.request for m in scheduler.make_room(after, 0.02)] == [paused]  # room made for it again
+
+
+def test_a_released_slot_is_free_again_only_once_the_steps_that_may_hold_it_completed() -> None:
+    from qwen3tts_agent.engine.slots import SlotPool
+
+    pool = SlotPool(4)
+    assert [pool.take_lowest() for _ in range(2)] == [0, 1]
+    seq = pool.on_launched()  # slots 0 and 1 are rows of step 1
+    pool.release(0, seq)
+    assert pool.free_below(2) == 0  # step 1 is in flight: slot 0 waits
+    assert pool.lowest_free_from(1) == 2 and pool.lowest_free_from(3) == 3 and pool.lowest_free_from(0) is None
+    assert not pool
+    pool.on_completed(seq)
+    assert pool and pool.take_lowest() == 0
+    pool.release(1, seq)  # its last step has completed: free at once
+    assert pool.take_lowest() == 1
