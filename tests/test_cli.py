@@ -92,8 +92,9 @@ def test_serve_without_the_server_extra_says_how_to_install_it() -> None:
 
 
 def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
-    """`--codec-hold-ms`, `--step-period-ms`, `--first-frame-step-load` and `--clock-first-frame-load` reach the Engine's keywords, in its
-    units; a negative value is a clear error, and options left out keep the engine's defaults."""
+    """`--codec-hold-ms`, `--step-period-ms`, `--first-frame-step-load`, `--clock-first-frame-load` and
+    `--chunk-schedule` reach the Engine's keywords, in its units; a negative value or a malformed schedule is
+    a clear error, and options left out keep the engine's defaults."""
     import argparse
 
     from qwen3tts_agent.server.cli import add_server_arguments, engine_options
@@ -113,3 +114,7 @@ def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
     for flag in ("--codec-hold-ms", "--step-period-ms", "--first-frame-step-load", "--clock-first-frame-load"):
         with pytest.raises(ValueError, match=flag):
             options(flag, "-1")
+    assert options("--chunk-schedule", "1,1,2,4,8")["chunk_schedule"] == (1, 1, 2, 4, 8)
+    for bad in ("1,0", "1,x", "", "65", "1,1,1,1,1,1,1,1,1"):  # frames 1..64, 1 to 8 chunks
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "synthetic:tiny", "--chunk-schedule", bad])

@@ -95,13 +95,18 @@ def test_stream_waits_for_text_instead_of_padding(engine: Engine) -> None:
 
 
 def test_chunk_schedule_and_timings(voice: Voice) -> None:
-    """The schedule is kept as given when chunks are not adapted to deadlines (a CPU engine runs near real
-    time, so adaptation would cut chunks short; see test_scheduler.py for that behaviour)."""
-    engine = engine_for("synthetic:tiny", max_streams=1, adapt_chunks=False)
-    stream = engine.open_stream(TEXT, voice=voice, chunk_schedule=(1, 3, 5),
-                                sampling=SamplingParams(max_frames=17, ignore_eos=True, seed=1))
+    """The schedule is kept as given (the engine's, or the stream's own) when chunks are not adapted to
+    deadlines (a CPU engine runs near real time, so adaptation would cut chunks short; see test_scheduler.py
+    for that behaviour)."""
+    engine = engine_for("synthetic:tiny", max_streams=1, adapt_chunks=False, chunk_schedule=(1, 1, 2))
+    sampling = SamplingParams(max_frames=17, ignore_eos=True, seed=1)
+    default = list(engine.open_stream(TEXT, voice=voice, sampling=sampling).chunks(timeout=60))
+    assert [c.frame_end - c.frame_start for c in default] == [1, 1] + [2] * 7 + [1]  # the engine's schedule
+    stream = engine.open_stream(TEXT, voice=voice, chunk_schedule=(1, 3, 5), sampling=sampling)
     chunks = list(stream.chunks(timeout=60))
     assert [c.frame_end - c.frame_start for c in chunks] == [1, 3, 5, 5, 3]
+    # the streaming codec is exact: chunk boundaries change no sample
+    np.testing.assert_allclose(np.concatenate([c.pcm for c in chunks]), np.concatenate([c.pcm for c in default]), atol=1e-5)
     assert all(len(c.pcm) == 1920 * (c.frame_end - c.frame_start) for c in chunks)
     assert len(chunks[0].pcm16) == 2 * 1920
     for c in chunks:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ServerConfig, default_voices_dir
+from .config import MAX_CHUNK_FRAMES, MAX_SCHEDULE_CHUNKS, ServerConfig, default_voices_dir
 
 MAX_AUTO_WORKERS = 4
 # The [server] extra's packages, looked up (not imported) when the CLI registers `serve`, so a missing extra
@@ -24,6 +24,19 @@ def _require_installed(packages: tuple[str, ...]) -> None:
 
 
 _require_installed(SERVER_PACKAGES)
+
+
+def chunk_schedule(text: str) -> tuple[int, ...]:
+    """`--chunk-schedule`: comma-separated frames per chunk ("1,2,4,8"; the last repeats)."""
+    try:
+        schedule = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"frames per chunk, comma-separated (e.g. 1,2,4,8), not {text!r}") from None
+    if not 1 <= len(schedule) <= MAX_SCHEDULE_CHUNKS or not all(1 <= n <= MAX_CHUNK_FRAMES for n in schedule):
+        raise argparse.ArgumentTypeError(
+            f"1 to {MAX_SCHEDULE_CHUNKS} chunks of 1 to {MAX_CHUNK_FRAMES} frames each, not {text!r}"
+        )
+    return schedule
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -91,6 +104,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "of their own instead of waiting for the batched step (default: 8 on a GPU, never on the CPU; "
                    "0: never, new streams join the batched steps: fewer, fuller steps under heavy load); "
                    "docs/server.md")
+    p.add_argument("--chunk-schedule", type=chunk_schedule,
+                   help="frames per audio chunk for sessions that name none, comma-separated, the last repeating "
+                   "(default: 1,2,4,8); a session's `start` may still set its own; docs/server.md")
     p.add_argument("--clock-first-frame-load", type=int,
                    help="from this many streams stepping at once, a new stream's first frame also waits for the step "
                    "clock's tick (fuller steps on a full device, a few ms more to first audio; default: 96; 0: never); "
@@ -141,6 +157,8 @@ def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str
         if args.first_frame_step_load < 0:
             raise ValueError("--first-frame-step-load must not be negative")
         options["first_frame_step_load"] = args.first_frame_step_load
+    if args.chunk_schedule is not None:
+        options["chunk_schedule"] = args.chunk_schedule
     if args.clock_first_frame_load is not None:
         if args.clock_first_frame_load < 0:
             raise ValueError("--clock-first-frame-load must not be negative")

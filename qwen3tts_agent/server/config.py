@@ -7,6 +7,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# A chunk schedule's bounds: a session's `start` (server/protocol.py) and `serve --chunk-schedule` (server/cli.py).
+MAX_CHUNK_FRAMES = 64
+MAX_SCHEDULE_CHUNKS = 8
+
 
 def default_voices_dir() -> Path:
     """Where registered voices live unless told otherwise (XDG data dir, so they survive reinstalls)."""

@@ -21,6 +21,7 @@ from ..errors import (
     UnsupportedFeatureError,
     UnsupportedLanguageError,
 )
+from .config import MAX_CHUNK_FRAMES, MAX_SCHEDULE_CHUNKS
 
 # One table so a WebSocket error and an HTTP response for the same failure agree; the WebSocket error
 # message carries the status too, so clients (the LiveKit plugin) map both transports the same way.
@@ -161,7 +162,9 @@ class StartMessage(_Strict):
     instruct: str | None = Field(None, max_length=2000)
     sampling: SamplingOptions = SamplingOptions()
     audio_format: AudioFormat = AudioFormat()
-    chunk_schedule: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(None, min_length=1, max_length=8)
+    chunk_schedule: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES)]] | None = Field(
+        None, min_length=1, max_length=MAX_SCHEDULE_CHUNKS
+    )
 
 
 class TextMessage(_Strict):
