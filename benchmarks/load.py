@@ -276,6 +276,7 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
         "requests": len(measured),
         "completed": len(ok),
         "achieved_rate_per_s": len(measured) / (window[1] - window[0]),
+        "served_rate_per_s": len(ok) / (window[1] - window[0]),  # streams that played (not refused, not failed)
         "first_audio_ms": {"p50": pct(first, 50), "p95": pct(first, 95), "p99": pct(first, 99), "max": max(first, default=None)},
         "underrun_streams": len(underruns),
         "underrun_fraction": len(underruns) / len(ok) if ok else None,
@@ -442,9 +443,14 @@ class _ProfileWindow:
 
 def print_summary(summary: dict[str, object]) -> None:
     fa = summary["first_audio_ms"]
-    print(f"  first audio p50 {fa['p50']} / p95 {fa['p95']} / p99 {fa['p99']} ms; "  # type: ignore[index]
-          f"underrun {summary['underrun_streams']}/{summary['completed']}; slowest RTF "
-          f"{summary['slowest_stream_rtf']}; errors {summary['errors']}", flush=True)
+
+    def fixed(value: object, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    print(f"  first audio p50 {fixed(fa['p50'])} / p95 {fixed(fa['p95'])} / p99 {fixed(fa['p99'])} ms; "  # type: ignore[index]
+          f"underrun {summary['underrun_streams']}/{summary['completed']}; served "
+          f"{fixed(summary['served_rate_per_s'])}/s; slowest RTF {fixed(summary['slowest_stream_rtf'], 2)}; "
+          f"errors {summary['errors']}", flush=True)
     if "held_streams" in summary:
         print(f"  held until {summary['held_until']}: {summary['achieved_rate_per_s']:.1f} requests/s, streams at once "
               f"{summary['mean_streams_generating']:.0f} generating, {summary['mean_streams_playing']:.0f} playing",
