@@ -376,12 +376,23 @@ async def test_bad_settings_become_error_frames(
 
 
 async def test_engine_failure_mid_stream_becomes_error_frame(voice: VoicePrompt) -> None:
+    """The engine closes once the first audio has left the service (not a count of frames: on a busy machine
+    the codec's thread may not have decoded a chunk yet): the audio before stays, the utterance ends in an
+    ErrorFrame, and TTSStoppedFrame follows the audio."""
     engine = Engine.load("synthetic:tiny", device="cpu", progress=False)
     tts, reports = make_tts(engine, voice, frames=1000, mode=TOKEN)
+    audio_out = asyncio.Event()
+    push_frame = tts.push_frame
+
+    async def spy(frame, *args, **kwargs):  # type: ignore[no-untyped-def]  # pass-through: notes the first audio
+        await push_frame(frame, *args, **kwargs)
+        if isinstance(frame, TTSAudioRawFrame):
+            audio_out.set()
+
+    tts.push_frame = spy  # type: ignore[method-assign]
 
     async def close_engine_mid_stream() -> None:
-        while engine.stats().frames_generated < 2:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(audio_out.wait(), 120)
         await asyncio.to_thread(engine.close)
 
     closer = asyncio.create_task(close_engine_mid_stream())
