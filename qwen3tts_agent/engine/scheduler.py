@@ -28,8 +28,8 @@ those small steps cost more than they give: a first-frame step of a few rows tak
 step of a hundred, and every stream then gets fewer frames a second. So for a while after a chunk leaves late,
 new streams take no first-frame slot and step in the batched steps (`DeviceLoad.first_frames_paused`).
 
-The full device. A batched step that carries a new stream's first frame never waits for the step clock
-(`paced`), so under heavy traffic every arrival sets off a step of every row: steps then come as often as
+The full device. A batched step that carries a new stream's first frame would not wait for the step clock
+(`paced`), so under heavy traffic every arrival would set off a step of every row: steps would come as often as
 streams arrive, each of fewer rows than the clock's would be, and a step's time grows far slower than its
 rows (a step of 256 rows takes about 1.3 times one of 128), so the device spends more per frame made.
 From `clock_first_frame_load` streams stepping, therefore, a new stream takes no first-frame slot either, and
