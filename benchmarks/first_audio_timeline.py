@@ -83,9 +83,10 @@ def lane_layout(prof: torch.profiler.profile) -> dict[str, Any]:
 # The host-side steps of a first audio, as (owner path on the engine, method name): the caller's thread first,
 # then the core's.
 HOST_STEPS = (
-    ("", "open_stream"), ("core", "_apply"), ("core", "_set_up"), ("core.runner", "reset_slot"),
-    ("core.audio", "start"), ("core.prefills", "copy_head"), ("core", "_prompt_row"), ("core", "_prefill"),
-    ("core.prefills", "run"), ("core", "_feed"), ("core.launcher", "_queue_step"), ("core.launcher", "collect"),
+    ("", "open_stream"), ("core", "_apply"), ("core.prompt_lane", "_set_up"), ("core.runner", "reset_slot"),
+    ("core.audio", "start"), ("core.prefills", "copy_head"), ("core.prompt_lane", "_prompt_row"),
+    ("core.prompt_lane", "_prefill"), ("core.prefills", "run"), ("core.prompt_lane", "_feed"),
+    ("core.launcher", "_queue_step"), ("core.launcher", "collect"),
     ("core.audio", "decode"), ("core.audio", "finished"), ("core", "_deliver_chunk"),
 )
 

@@ -7,7 +7,8 @@ event loops or sockets. The same core runs on a thread of the caller's process (
 process of its own (`engine/process.py`).
 
 Each turn of the loop: apply messages; admit waiting requests and prefill their prompts on a lane of their
-own (so a new stream's prompt runs beside the step in flight, not behind it); feed newly final text; queue
+own (so a new stream's prompt runs beside the step in flight, not behind it; `engine/prompt_lane.py`); feed
+newly final text; queue
 the frame steps now due and read the ones that completed, starting the decodes of the chunks that are due
 (`engine/launcher.py`); hand decoded audio out. The loop never blocks on the device while work is
 queued: it polls, waiting on its message queue in between, so a request that arrives is seen at once.
@@ -20,13 +21,12 @@ the device reports a fault that poisons its context, the loop stops, ends every 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,6 @@ from ..backends import create_runner
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
-    InvalidTextError,
     Qwen3TTSAgentError,
 )
 from ..kernels import common as kernel_common
@@ -61,8 +60,8 @@ from .messages import (
 from .pacer import StepPacer
 from .prefill import MAX_PREFILL_ROWS, Prefills, prefix_store_options
 from .prompt import PromptBuilder
-from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
-from .runner import PrefillRow
+from .prompt_lane import PromptLane
+from .requests import ChunkPlan, PromptShape, RequestState
 from .scheduler import Scheduler
 from .steps import FrameSteps
 from .types import ChunkTimings, FinishReason, SamplingParams
@@ -126,7 +125,6 @@ class EngineCore:
                         self._prefill_stream.priority, self._step_stream.priority, lanes.background)
         self._specs: dict[str, PromptSpec] = {}
         self._sampling: dict[str, SamplingParams] = {}
-        self._trailing: dict[str, list[int]] = {}  # a prompt body's text-track tokens, fed after its prefill
         # decoded audio of a first frame run on a tentative token, until the token turns out final
         self._held: dict[str, list[tuple[ChunkPlan, np.ndarray]]] = {}
         kv_buckets = power_of_two_buckets(config.max_seq_len, start=min(128, config.max_seq_len))
@@ -136,6 +134,10 @@ class EngineCore:
         self.steps = FrameSteps(self.runner, frame_graphs, self.device, config.max_streams)
         self.prefills = Prefills(
             self.runner, self.prompts, graphed=graphed, max_streams=config.max_streams, kv_buckets=kv_buckets
+        )
+        self.prompt_lane = PromptLane(
+            self.scheduler, self.runner, self.prefills, self.audio, self.pacer, self.stats, self._specs,
+            self._sampling, stream=self._prefill_stream, guarded=self._guarded, end=self._end,
         )
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
@@ -214,7 +216,7 @@ class EngineCore:
     def _turn(self) -> None:
         started = time.perf_counter()
         self._apply_messages(block=False)
-        progressed = self._prompts()
+        progressed = self.prompt_lane.run()
         started = self._timed("prompts", started)
         try:
             progressed |= self.launcher.launch()
@@ -320,105 +322,8 @@ class EngineCore:
             return
         self.stats.speculation_misses += 1
         self.audio.drop(request.request_id)  # its codec slot holds the wrong first frame's state
-        self._trailing.pop(request.request_id, None)
+        self.prompt_lane.forget(request.request_id)
         self.scheduler.restart(request)
-
-    # ----------------------------------------------------------------- prompts
-    def _prompts(self) -> bool:
-        """Admit waiting requests and prefill the prompt pieces now ready; feed newly final text."""
-        now = time.perf_counter()
-        moved = self.scheduler.make_room(now, self.pacer.step_period_s)
-        behind_steps = [move for move in moved if move.after_steps]
-        for move in behind_steps:  # behind the steps that may still write the old slot, on their stream
-            self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
-        copied = None
-        if behind_steps and self._prefill_stream is not None:
-            copied = torch.cuda.Event()
-            copied.record()
-        admitted = self.scheduler.admit(now)
-        plans = [] if admitted else self.scheduler.prefill_plans()
-        if moved or admitted or plans:
-            with self._lane(self._prefill_stream):
-                if copied is not None:  # a new request may take a slot copied on the steps' stream
-                    torch.cuda.current_stream().wait_event(copied)
-                for move in moved:  # the others at once, before the set-ups
-                    if not move.after_steps:
-                        self.runner.move_slot(move.old, move.new, move.request.position, move.request.track_len)
-                for request in admitted:
-                    self._guarded(request, self._set_up, request)
-                if admitted:  # after the set-up: a head copied from the prefix store needs no prefill
-                    plans = self.scheduler.prefill_plans()
-                rows = []
-                for plan in plans:
-                    if self.scheduler.is_live(plan.request):
-                        row = self._guarded(plan.request, self._prompt_row, plan)
-                        if row is not None:
-                            rows.append((plan, row))
-                if rows:
-                    self._prefill(rows)
-                # a new request's codec slot is set up (on the codec's own lane or thread) once its prompt has
-                # gone: its first decode is a frame away, and the prompt's launch is what its first audio waits for
-                for request in admitted:
-                    if self.scheduler.is_live(request):
-                        self._guarded(request, self.audio.start, request.request_id, self._specs[request.request_id])
-                if self._prefill_stream is not None:
-                    done = torch.cuda.Event()
-                    done.record()
-            if self._prefill_stream is not None:
-                # Everything later on the steps' stream (text for running streams, the next step with the new
-                # rows) follows this prompt work: a slot's text length is then never written out of order.
-                torch.cuda.current_stream().wait_event(done)
-        feeds = self.scheduler.text_feeds()
-        for request, ids in feeds:  # running streams' text: on the steps' stream, ordered with their frames
-            if request.speculated is not None and request.track_len == 0:
-                self.stats.speculations += 1
-            self._guarded(request, self._feed, request, ids)
-        return bool(admitted or plans or feeds)
-
-    def _set_up(self, request: RequestState) -> None:
-        slot = request.slot
-        assert slot is not None
-        spec = self._specs[request.request_id]
-        self.runner.reset_slot(slot, asdict(self._sampling[request.request_id]))
-        length = self.prefills.copy_head(spec, slot)
-        if length is not None:  # the voice's head was prefilled before: its keys and values were copied
-            self.scheduler.on_prefilled(PrefillPlan(request, head=True, body_ids=None), length, time.perf_counter())
-
-    def _prompt_row(self, plan: PrefillPlan) -> PrefillRow:
-        request = plan.request
-        assert request.slot is not None
-        row, trailing = self.prefills.row(
-            self._specs[request.request_id], request.slot, request.position, head=plan.head,
-            body_ids=plan.body_ids, closed=request.closed,
-        )
-        self._trailing[request.request_id] = trailing
-        return row
-
-    def _prefill(self, rows: list[tuple[PrefillPlan, PrefillRow]]) -> None:
-        try:
-            self.prefills.run([row for _, row in rows])
-        except Exception as exc:  # noqa: BLE001 - a failed prefill (e.g. out of memory) fails its batch only
-            logger.exception("prefill of %d prompts failed", len(rows))
-            for plan, _ in rows:
-                self._end(plan.request, FinishReason.ERROR, exc)
-            return
-        now = time.perf_counter()
-        for plan, row in rows:
-            request = plan.request
-            if plan.head:
-                self.prefills.keep_head(self._specs[request.request_id], row.slot)
-            self.scheduler.on_prefilled(plan, row.embeds.shape[0], now)
-            trailing = self._trailing.pop(request.request_id, [])
-            if plan.body_ids is not None:
-                self._guarded(request, self._feed, request, trailing)
-
-    def _feed(self, request: RequestState, ids: list[int]) -> None:
-        if not self.scheduler.track_room(request, ids):
-            raise InvalidTextError(f"text longer than {self.scheduler.max_text_tokens} tokens")
-        if ids:
-            assert request.slot is not None
-            self.runner.append_text(request.slot, request.track_len, ids)
-        self.scheduler.on_fed(request, ids)
 
     # ----------------------------------------------------------------- audio
     def _deliver(self) -> bool:
@@ -478,7 +383,7 @@ class EngineCore:
         self.audio.drop(rid)
         self._specs.pop(rid, None)
         self._sampling.pop(rid, None)
-        self._trailing.pop(rid, None)
+        self.prompt_lane.forget(rid)
         self._held.pop(rid, None)
         if error is not None:
             self.stats.errors += 1
@@ -515,9 +420,6 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001
             self._end(request, FinishReason.ERROR, exc)
             return None
-
-    def _lane(self, stream: torch.cuda.Stream | None) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _timed(self, phase: str, since: float) -> float:
         now = time.perf_counter()
