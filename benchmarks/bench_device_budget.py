@@ -25,6 +25,7 @@ from benchmarks.bench_codec_convs import median_ms
 from benchmarks.bench_engine import log
 from qwen3tts_agent import Engine
 from qwen3tts_agent.engine.cuda_graphs import split_frames
+from qwen3tts_agent.engine.requests import scheduled_chunk
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
 from qwen3tts_agent.models.loading import load_official_model
 
@@ -33,7 +34,7 @@ def chunk_lengths(frames: int, schedule: tuple[int, ...]) -> list[int]:
     """The chunks an utterance of `frames` frames is cut into: the schedule, then its last size repeated."""
     chunks, left, i = [], frames, 0
     while left > 0:
-        size = min(schedule[min(i, len(schedule) - 1)], left)
+        size = min(scheduled_chunk(schedule, i), left)
         chunks.append(size)
         left -= size
         i += 1

@@ -28,6 +28,15 @@ def _audio(chunks, first: list | None = None) -> np.ndarray:  # type: ignore[no-
     return np.concatenate([chunk.pcm for chunk in [*(first or []), *chunks]])
 
 
+def _assert_as_alone(alone, *groups) -> None:  # type: ignore[no-untyped-def]
+    """Each (streams, their audio, frames) group's codes and audio are those of the stream of `frames` run alone."""
+    for streams, audio, frames in groups:
+        pcm_alone, result_alone = alone[frames]
+        for stream, pcm in zip(streams, audio, strict=True):
+            assert stream.result.codes == result_alone.codes
+            np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+
+
 def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_load, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk on a busy CPU would pause them
     slots = FIRST_FRAME_SLOTS
@@ -76,11 +85,7 @@ def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.M
     # the step time the clock's release and the overload check go by is a batched step's: the first-frame
     # steps (a few rows, far quicker under load) are left out of it
     assert len(timed_steps) == len(batched_steps), (len(timed_steps), len(batched_steps))
-    for streams, audio, frames in ((short, short_audio, 8), (long, long_audio, 40), (new, new_audio, 24)):
-        pcm_alone, result_alone = alone[frames]
-        for stream, pcm in zip(streams, audio, strict=True):
-            assert stream.result.codes == result_alone.codes
-            np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+    _assert_as_alone(alone, (short, short_audio, 8), (long, long_audio, 40), (new, new_audio, 24))
 
 
 def test_streams_through_the_first_frame_slots_of_a_full_engine_make_their_codes_alone(
@@ -152,8 +157,4 @@ def test_on_a_full_device_first_frames_wait_for_the_clock_and_change_no_code() -
     finally:
         engine.close()
     assert paced_first_frames and all(paced_first_frames), paced_first_frames
-    for streams, audio, frames in ((running, running_audio, 40), (new, new_audio, 24)):
-        pcm_alone, result_alone = alone[frames]
-        for stream, pcm in zip(streams, audio, strict=True):
-            assert stream.result.codes == result_alone.codes
-            np.testing.assert_allclose(pcm, pcm_alone, atol=1e-5)
+    _assert_as_alone(alone, (running, running_audio, 40), (new, new_audio, 24))

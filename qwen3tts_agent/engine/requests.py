@@ -20,6 +20,11 @@ RUNAWAY_FRAMES_PER_TOKEN = 8
 URGENT_SLACK_S = 0.04
 
 
+def scheduled_chunk(schedule: tuple[int, ...], index: int) -> int:
+    """The frames of a stream's chunk `index` by its chunk schedule: the schedule's, then its last repeated."""
+    return schedule[min(index, len(schedule) - 1)]
+
+
 def runaway_frame_limit(text_tokens: int) -> int:
     """The frames a closed text of `text_tokens` tokens may take before the runaway guard ends it."""
     return RUNAWAY_BASE_FRAMES + RUNAWAY_FRAMES_PER_TOKEN * text_tokens
@@ -105,7 +110,7 @@ class RequestState:
 
     @property
     def next_chunk_frames(self) -> int:
-        return self.chunk_schedule[min(self.chunk_index, len(self.chunk_schedule) - 1)]
+        return scheduled_chunk(self.chunk_schedule, self.chunk_index)
 
     @property
     def frame_limit(self) -> int | None:
