@@ -325,8 +325,10 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
     report["frame_step"] = {str(b): None for b in (1,)}
     report["frame_step"]["1"] = frame_step_ms(engine, 1, min(256, args.max_seq_len), args.frame_reps)
     log(f"{backend}: frame step b=1 {report['frame_step']['1']}  (load {load_average()})")
+    spare = getattr(engine.core.runner, "spare_cores", None)  # the CPU backends': graph calls on the codec's cores
     for mode in ("greedy", "default"):
         before = engine.stats()
+        lent_before = (spare.lent, spare.calls) if spare is not None else (0, 0)
         timings = []
         for i in range(args.runs + 1):
             sampling = (SamplingParams.greedy(seed=i, max_frames=args.frames, ignore_eos=True) if mode == "greedy"
@@ -336,7 +338,8 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
         steady = [1000 * (t.end - t.first) / (args.frames - 1) for t in timings]
         report[f"single_stream_{mode}"] = {**summarize(timings, sum(t.end - t.submitted for t in timings)),
                                            "ms_per_frame_p50": pct(steady, 50), "load_average": load_average(),
-                                           "engine_loop": loop_profile(before, engine.stats())}
+                                           "engine_loop": loop_profile(before, engine.stats()),
+                                           "graph_calls_on_codec_cores": _lent_share(spare, lent_before)}
         log(f"{backend} single stream ({mode}): first audio p50 {report[f'single_stream_{mode}']['first_audio_ms_p50']:.0f} ms, "
             f"RTF p50 {report[f'single_stream_{mode}']['per_stream_rtf_p50']:.2f}, {pct(steady, 50):.1f} ms/frame (load {load_average()})")
     engine.close()
@@ -356,6 +359,14 @@ async def engine_runs(official: object, backend: str, args: argparse.Namespace, 
         engine.close()
     report["peak_rss_gib"] = peak_rss_gib()
     return report
+
+
+def _lent_share(spare: object, before: tuple[int, int]) -> float | None:
+    """The share of the graph calls since `before` that ran on the codec's idle cores too (None: none lent)."""
+    if spare is None:
+        return None
+    calls = spare.calls - before[1]  # type: ignore[attr-defined]
+    return (spare.lent - before[0]) / calls if calls else 0.0  # type: ignore[attr-defined]
 
 
 async def _one(engine: Engine, voice: Voice, sampling: SamplingParams):

@@ -13,6 +13,7 @@ import zmq
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
 from qwen3tts_agent.engine import ipc
 from qwen3tts_agent.engine.client import EngineClient
+from qwen3tts_agent.engine.core_server import cpu_pool_default
 from qwen3tts_agent.engine.process import CoreLaunch, EngineProcess
 from qwen3tts_agent.errors import (
     EngineDeadError,
@@ -176,10 +177,19 @@ def test_a_burst_of_hellos_gets_one_welcome_and_a_later_hello_another(core: Engi
         context.term()
 
 
-def test_the_core_process_runs_the_cpu_graphs_on_one_shared_pool() -> None:
-    """On a CPU the core process puts the int8 graphs on ONNX Runtime's shared pool (it runs no other ONNX
-    Runtime sessions, which that pool would refuse); an in-process engine keeps a pool per graph, so that
-    other libraries' sessions in the caller's process (Silero VAD) still load. Both speak the same codes."""
+def test_the_core_process_shares_one_cpu_pool_from_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below four cores the frame steps have one thread, and a pool per graph lets them borrow the codec's
+    idle cores; from four the graphs share ONNX Runtime's one pool (docs/cpu-backend.md)."""
+    for cores, pool in ((1, "session"), (2, "session"), (3, "session"), (4, "shared"), (16, "shared")):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cores=cores: set(range(cores)))
+        assert cpu_pool_default() == {"QWEN3TTS_CPU_POOL": pool}
+
+
+def test_the_core_process_runs_the_cpu_graphs_on_its_pool() -> None:
+    """On a CPU the core process puts the int8 graphs on ONNX Runtime's shared pool from four cores (it runs
+    no other ONNX Runtime sessions, which that pool would refuse); an in-process engine keeps a pool per
+    graph, so that other libraries' sessions in the caller's process (Silero VAD) still load. Both speak
+    the same codes."""
     address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-int8-core-{os.getpid()}.sock"
     process = EngineProcess(
         CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 2, "keep_codes": True, "backend": "int8"},
@@ -194,7 +204,8 @@ def test_the_core_process_runs_the_cpu_graphs_on_one_shared_pool() -> None:
             deadline = time.monotonic() + 10
             while not client.stats().kernel_paths and time.monotonic() < deadline:  # the core's stats come every 250 ms
                 time.sleep(0.05)
-            assert client.stats().kernel_paths["talker"] == "onnxruntime (int8, shared pool)"
+            shared = cpu_pool_default()["QWEN3TTS_CPU_POOL"] == "shared"
+            assert client.stats().kernel_paths["talker"] == f"onnxruntime (int8{', shared pool' if shared else ''})"
             assert local.stats().kernel_paths["talker"] == "onnxruntime (int8)"
             voice = Voice(prompt=local.create_voice(reference_audio(), "This is my voice."))
             remote = Voice(prompt=client.create_voice(reference_audio(), "This is my voice."))

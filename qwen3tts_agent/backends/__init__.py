@@ -47,13 +47,14 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 def create_runner(
     model: OfficialModule, backend: str = "auto", *, cache_root: Path | None = None, progress: bool = True,
-    threads: int | None = None, **runner_kwargs: object,
+    threads: int | None = None, spare_threads: int = 0, **runner_kwargs: object,
 ) -> ModelRunner:
     """The runner of `model` (an official `Qwen3TTSForConditionalGeneration`) for `backend`.
 
     `runner_kwargs` are `ModelRunner`'s (max_slots, max_seq_len, max_text_tokens, top_k_cap, fused_kernels);
     the CPU backends convert the weights first (cached, see `backends.cpu.store`) and run their graphs on
-    `threads` cores (default: PyTorch's thread count; the PyTorch backend runs on its caller's).
+    `threads` cores (default: PyTorch's thread count; the PyTorch backend runs on its caller's), and on
+    `spare_threads` more while the codec's cores are idle (`ModelRunner.lend_codec_cores`).
     """
     device = next(model.talker.parameters()).device
     backend = resolve_backend(backend, device)
@@ -64,7 +65,7 @@ def create_runner(
 
     runner_kwargs.pop("fused_kernels", None)  # Triton kernels are a GPU matter
     folder = prepare(model, backend, cache_root=cache_root, progress=progress)
-    return CpuRunner(model, folder, backend, threads=threads, **runner_kwargs)  # type: ignore[arg-type]
+    return CpuRunner(model, folder, backend, threads=threads, spare_threads=spare_threads, **runner_kwargs)  # type: ignore[arg-type]
 
 
 def create_codec(decoder: OfficialModule, backend: str = "auto", **codec_kwargs: object) -> StreamingCodecDecoder:

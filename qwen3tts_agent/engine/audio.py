@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -95,9 +97,16 @@ class CodecThread:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="qwen3tts-codec", initializer=_codec_thread_start, initargs=(threads,)
         )
+        self._last: Future[Any] | None = None
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        return self._executor.submit(fn)
+        self._last = self._executor.submit(fn)
+        return self._last
+
+    @property
+    def idle(self) -> bool:
+        """Every call submitted so far has returned (calls run in order: the last one's end says so)."""
+        return self._last is None or self._last.done()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -113,6 +122,7 @@ class _Decoding:
     plans: list[ChunkPlan]
     pcm: torch.Tensor | Future[torch.Tensor]  # [len(plans), samples] on the host (the codec thread's, to come)
     pending: Pending
+    submitted: float = 0.0  # perf_counter() when it was handed to the codec's thread
 
     def host_pcm(self) -> np.ndarray:
         pcm = self.pcm.result() if isinstance(self.pcm, Future) else self.pcm
@@ -199,6 +209,10 @@ class AudioPipeline:
     @property
     def busy(self) -> bool:
         return bool(self._decoding or self._early_decoding or self.queue)
+
+    def codec_thread_idle(self) -> bool:
+        """The CPU codec's own thread has nothing to run now (False where there is no such thread)."""
+        return self._thread is not None and self._thread.idle
 
     def close(self) -> None:
         """Stop the codec thread (after its queued calls); the pipeline decodes nothing more."""
@@ -328,6 +342,26 @@ class AudioPipeline:
             not _done(decoding.pending) and any(p.index == 0 for p in decoding.plans) for decoding in self._early_decoding
         )
 
+    def wait_for_first_audio(self, timeout_s: float, older_than_s: float) -> bool:
+        """On the CPU's codec thread: wait up to `timeout_s` for the decodes in flight that hold a stream's first
+        chunk and were handed to the thread over `older_than_s` ago (so near their end). Whether there were
+        any and they are now done (False at once where there is no codec thread).
+
+        A CPU frame step holds the core's thread for its whole length, and nothing is delivered meanwhile: a
+        first chunk whose decode ends just after a step starts would wait for all of it (`StepLauncher`)."""
+        if self._thread is None:
+            return False
+        before = time.perf_counter() - older_than_s
+        pending = [
+            decoding.pending for decoding in self._decoding
+            if isinstance(decoding.pending, Future) and not decoding.pending.done() and decoding.submitted < before
+            and any(plan.is_first for plan in decoding.plans)
+        ]
+        if not pending:
+            return False
+        futures.wait(pending, timeout=timeout_s)
+        return all(future.done() for future in pending)
+
     def _lane_depth(self) -> int:
         """Decodes queued on the codec lane (or the CPU's codec thread) and not done (0 on a CPU without the
         thread: decodes there are synchronous)."""
@@ -350,7 +384,7 @@ class AudioPipeline:
         decoded = self._thread.submit(
             lambda: self.codec.decode(slots, upload(codes, torch.int64, self.device)).to(torch.float32, copy=True)
         )
-        return _Decoding(group, decoded, decoded)
+        return _Decoding(group, decoded, decoded, time.perf_counter())
 
     def _decode_on_lane(
         self, group: list[ChunkPlan], slots: list[int], codes: np.ndarray, n_frames: int, early: bool

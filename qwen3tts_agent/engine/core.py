@@ -88,7 +88,7 @@ class EngineCore:
             self._step_threads, codec_threads = cpu_thread_split(self._step_threads)
         # one text-track token per frame at most, so a track never outgrows the cache
         self.runner = create_runner(
-            model, config.backend, threads=self._step_threads, max_slots=config.max_streams,
+            model, config.backend, threads=self._step_threads, spare_threads=codec_threads, max_slots=config.max_streams,
             max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len, top_k_cap=config.top_k_cap,
             fused_kernels=config.fused_kernels,
             **prefix_store_options(
@@ -105,6 +105,7 @@ class EngineCore:
             chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec, backend=config.backend,
             hold_s=config.codec_hold_s, priorities=lanes, on_decode=self._count_decode, codec_threads=codec_threads,
         )
+        self.runner.lend_codec_cores(self.audio.codec_thread_idle)
         self.scheduler = Scheduler(
             max_slots=config.max_streams, max_seq_len=config.max_seq_len, max_text_tokens=config.max_seq_len,
             max_prefill_rows=MAX_PREFILL_ROWS, eos_token_id=self.prompts.tts_eos_id, keep_codes=config.keep_codes,

@@ -240,14 +240,20 @@ def _stop_with_parent(stop: threading.Event) -> None:
 FRAMEWORKS_OFF = {"USE_TF": "0", "USE_FLAX": "0"}
 
 
-# The CPU backend's graphs share one ONNX Runtime pool here (docs/cpu-backend.md): this process runs no other
-# ONNX Runtime sessions, which that pool would refuse. Unless the user chose otherwise.
-CPU_POOL = {"QWEN3TTS_CPU_POOL": "shared"}
+# From this many cores the CPU backend's graphs share one ONNX Runtime pool here (docs/cpu-backend.md): this
+# process runs no other ONNX Runtime sessions, which that pool would refuse. Below it the frame steps have one
+# thread, and a pool per graph lets them borrow the codec's idle cores. Unless the user chose otherwise.
+SHARED_POOL_MIN_CORES = 4
+
+
+def cpu_pool_default() -> dict[str, str]:
+    """The engine-core process's default for QWEN3TTS_CPU_POOL, by the cores it may run on."""
+    return {"QWEN3TTS_CPU_POOL": "shared" if len(os.sched_getaffinity(0)) >= SHARED_POOL_MIN_CORES else "session"}
 
 
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
-    for name, value in {**FRAMEWORKS_OFF, **CPU_POOL}.items():
+    for name, value in {**FRAMEWORKS_OFF, **cpu_pool_default()}.items():
         os.environ.setdefault(name, value)
     transformers_without_scikit_learn()  # after the switches above: transformers reads them at its import
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")

@@ -31,6 +31,8 @@ from .types import SamplingParams
 # Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
 # for it (see `step_timing.steps_can_wait`), so the codec lane gets the device before listeners starve.
 URGENT_AUDIO_S = 0.06
+# On a CPU, a step waits this many (recent batched) steps' time at most for a first chunk being decoded.
+FIRST_AUDIO_WAIT_STEPS = 0.5
 
 
 class StepLauncher:
@@ -122,7 +124,7 @@ class StepLauncher:
         if not self.pacer.may_launch(now):
             return False
         rows = self.scheduler.runnable()
-        if not rows:
+        if not rows or self._awaits_first_audio():
             return False
         period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
@@ -154,6 +156,14 @@ class StepLauncher:
         self.stats.first_audio_holds += self._waited_for_audio
         self._waited_for_audio = False
         return True
+
+    def _awaits_first_audio(self) -> bool:
+        """On a CPU whose codec has a thread of its own a step holds this thread for its whole length, and
+        delivers nothing meanwhile. A stream's first chunk that has been decoding for half a step (a decode
+        beside a step takes about one) is waited for, up to half a step; when it came, the step goes next
+        turn, after the chunk has gone out."""
+        half_step = FIRST_AUDIO_WAIT_STEPS * self.scheduler.load.stats.step_seconds
+        return self.audio.wait_for_first_audio(half_step, older_than_s=half_step)
 
     def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
         self._release = self._early_release = None

@@ -16,7 +16,7 @@ not active in a step still flow through the maths but write their KV to a scratc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +190,10 @@ class ModelRunner:
             "embed_sum": self.embed_sum, "talker_input": self.talker_input, "write_pos": self.write_pos,
             "suppress": self.suppress, "codec_embedding": self.codec_embedding.weight,
         }
+
+    def lend_codec_cores(self, codec_idle: Callable[[], bool]) -> None:
+        """A CPU backend runs its graphs on the codec's cores too while `codec_idle()` says they are idle.
+        This runner's ops run on its caller's threads, whatever the codec does."""
 
     # ----------------------------------------------------------------- slot management (host side, between steps)
     def reset_slot(self, slot: int, sampling: dict[str, float | int | bool]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from ...engine.runner import ModelRunner, PrefillRow
 from ...engine.sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty
 from ...models.compat import OfficialModule
 from .draws import Sampler
-from .session import BoundSession
+from .session import BoundSession, SpareCores
 
 # Prompt tokens per talker-graph call: a longer prompt goes in pieces (each continuing the slot's cache), which
 # bounds GroupQueryAttention's score buffer (heads x tokens x keys floats) at no measurable cost.
@@ -49,6 +49,7 @@ class CpuRunner(ModelRunner):
         max_text_tokens: int,
         top_k_cap: int = DEFAULT_TOP_K_CAP,
         threads: int | None = None,
+        spare_threads: int = 0,
         spin: bool | None = None,
         shared_pool: bool | None = None,
     ) -> None:
@@ -57,7 +58,9 @@ class CpuRunner(ModelRunner):
         every graph on the process's one shared pool (`session.shared_pool`), whose threads spin between ops,
         instead of a pool per graph (default: QWEN3TTS_CPU_POOL=shared, which the engine-core process sets;
         once that pool exists, ONNX Runtime refuses any session with a pool of its own in the process, such
-        as Pipecat's Silero VAD, so an in-process engine keeps a pool per graph)."""
+        as Pipecat's Silero VAD, so an in-process engine keeps a pool per graph). `spare_threads`: the codec's
+        cores, which the graphs also run on while the codec is idle (`lend_codec_cores`), on a second copy of each
+        graph; 0, a shared pool or QWEN3TTS_CPU_LEND=0 (no second copy in memory): never."""
         super().__init__(
             model, max_slots=max_slots, max_seq_len=max_seq_len, max_text_tokens=max_text_tokens,
             top_k_cap=top_k_cap, fused_kernels=False,
@@ -70,13 +73,19 @@ class CpuRunner(ModelRunner):
             spin = os.environ.get("QWEN3TTS_CPU_SPIN", "0") == "1"
         if shared_pool is None:
             shared_pool = os.environ.get("QWEN3TTS_CPU_POOL", "session") == "shared"
+        if os.environ.get("QWEN3TTS_CPU_LEND", "1") == "0":
+            spare_threads = 0
         self.threads, self.spin, self.shared_pool = threads, spin, shared_pool
         # what the engine's stats report per stack (`EngineStats.kernel_paths`)
         graphs = f"onnxruntime ({weight_format}{', shared pool' if shared_pool else ''})"
         self.kernel_paths = {"talker": graphs, "predictor": graphs, "codec": self.kernel_paths["codec"]}
 
+        self.spare_cores = SpareCores()
+
         def session(path: Path) -> BoundSession:
-            return BoundSession(path, threads, spin, shared=shared_pool)
+            return BoundSession(
+                path, threads, spin, shared=shared_pool, wide_threads=threads + spare_threads, spare=self.spare_cores
+            )
 
         self._talker = session(folder / "talker.onnx")
         self._predictor = session(folder / "predictor.onnx")
@@ -112,6 +121,10 @@ class CpuRunner(ModelRunner):
         self._head_in = torch.zeros(max_slots, p_hidden)
         self._head_out = torch.zeros(max_slots, self.p_heads[0].out_features)
         self._head_bindings: dict[tuple[int, int], object] = {}
+
+    def lend_codec_cores(self, codec_idle: Callable[[], bool]) -> None:
+        """Run each graph call on the codec's cores too (`spare_threads`) when `codec_idle()` says so."""
+        self.spare_cores.watch(codec_idle)
 
     # ----------------------------------------------------------------- bindings (made once per batch size)
     def _stack_inputs(self, caches: tuple[list[torch.Tensor], list[torch.Tensor]], rows: slice) -> dict[str, torch.Tensor]:

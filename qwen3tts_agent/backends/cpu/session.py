@@ -7,6 +7,7 @@ buffers), so a frame re-runs prepared bindings without copying or re-binding any
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -58,27 +59,66 @@ def session_options(threads: int, spin: bool = False, shared: bool = False) -> o
     return options
 
 
-class BoundSession:
-    """An `InferenceSession` on the CPU provider, run through IOBindings over torch tensors."""
+class SpareCores:
+    """Whether the codec's cores are idle now, so that the graphs may run on them too (`BoundSession`).
 
-    def __init__(self, path: Path, threads: int, spin: bool = False, shared: bool = False) -> None:
+    The engine's core thread, which makes every graph call, is also the only one that gives the codec work:
+    cores found idle when a call starts stay idle until it returns."""
+
+    def __init__(self) -> None:
+        self._probe: Callable[[], bool] = lambda: False
+        self.calls = 0  # graph calls of the sessions that may borrow them
+        self.lent = 0  # ... of which ran on them too
+
+    def watch(self, codec_idle: Callable[[], bool]) -> None:
+        """From now on ask `codec_idle()` before each graph call."""
+        self._probe = codec_idle
+
+    def idle(self) -> bool:
+        """Whether the next graph call may run on the codec's cores too (and count it)."""
+        idle = self._probe()
+        self.calls += 1
+        self.lent += idle
+        return idle
+
+
+class BoundSession:
+    """An `InferenceSession` on the CPU provider, run through IOBindings over torch tensors.
+
+    With `wide_threads` and `spare`, the graph is loaded twice: on `threads` threads, and on `wide_threads`
+    (the step side's cores and the codec's) for the calls made while `spare.idle()`. The second copy costs the
+    graph's weights again in memory; it exists because a batch-1 step is bound by memory bandwidth that one
+    core cannot draw alone, and a prompt by arithmetic."""
+
+    def __init__(
+        self, path: Path, threads: int, spin: bool = False, shared: bool = False,
+        wide_threads: int = 0, spare: SpareCores | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.path = path
-        options = session_options(threads, spin, shared)
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.spare = spare if wide_threads > threads and not shared else None
+        self._sessions = [
+            ort.InferenceSession(str(path), session_options(n, spin, shared), providers=["CPUExecutionProvider"])
+            for n in ((threads, wide_threads) if self.spare is not None else (threads,))
+        ]
+        self.session = self._sessions[0]
 
     def bind(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> object:
-        """An IOBinding over these tensors (contiguous, on the CPU); they must outlive it."""
-        binding = self.session.io_binding()
-        for name, tensor in inputs.items():
-            binding.bind_input(name, "cpu", 0, _dtype(tensor), list(tensor.shape), tensor.data_ptr())
-        for name, tensor in outputs.items():
-            binding.bind_output(name, "cpu", 0, _dtype(tensor), list(tensor.shape), tensor.data_ptr())
-        return binding
+        """IOBindings over these tensors (contiguous, on the CPU), one per loaded copy; they must outlive them."""
+        bindings = []
+        for session in self._sessions:
+            binding = session.io_binding()
+            for name, tensor in inputs.items():
+                binding.bind_input(name, "cpu", 0, _dtype(tensor), list(tensor.shape), tensor.data_ptr())
+            for name, tensor in outputs.items():
+                binding.bind_output(name, "cpu", 0, _dtype(tensor), list(tensor.shape), tensor.data_ptr())
+            bindings.append(binding)
+        return bindings
 
     def run(self, binding: object) -> None:
-        self.session.run_with_iobinding(binding)
+        wide = self.spare is not None and self.spare.idle()
+        self._sessions[wide].run_with_iobinding(binding[wide])  # type: ignore[index]
 
 
 def _dtype(tensor: torch.Tensor) -> type:
