@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
@@ -181,7 +182,7 @@ def test_the_core_process_shares_one_cpu_pool_from_four_cores(monkeypatch: pytes
     """Below four cores the frame steps have one thread, and a pool per graph lets them borrow the codec's
     idle cores; from four the graphs share ONNX Runtime's one pool (docs/cpu-backend.md)."""
     for cores, pool in ((1, "session"), (2, "session"), (3, "session"), (4, "shared"), (16, "shared")):
-        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cores=cores: set(range(cores)))
+        monkeypatch.setattr(torch, "get_num_threads", lambda cores=cores: cores)
         assert cpu_pool_default() == {"QWEN3TTS_CPU_POOL": pool}
 
 

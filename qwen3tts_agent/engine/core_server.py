@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 
 from ..errors import EngineDeadError
@@ -247,8 +248,9 @@ SHARED_POOL_MIN_CORES = 4
 
 
 def cpu_pool_default() -> dict[str, str]:
-    """The engine-core process's default for QWEN3TTS_CPU_POOL, by the cores it may run on."""
-    return {"QWEN3TTS_CPU_POOL": "shared" if len(os.sched_getaffinity(0)) >= SHARED_POOL_MIN_CORES else "session"}
+    """The engine-core process's default for QWEN3TTS_CPU_POOL, by PyTorch's thread count (the cores the
+    engine splits between the frame steps and the codec, `audio.cpu_thread_split`)."""
+    return {"QWEN3TTS_CPU_POOL": "shared" if torch.get_num_threads() >= SHARED_POOL_MIN_CORES else "session"}
 
 
 def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:

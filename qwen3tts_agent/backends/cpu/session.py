@@ -74,8 +74,8 @@ class SpareCores:
         """From now on ask `codec_idle()` before each graph call."""
         self._probe = codec_idle
 
-    def idle(self) -> bool:
-        """Whether the next graph call may run on the codec's cores too (and count it)."""
+    def lend(self) -> bool:
+        """Whether the graph call about to run may run on the codec's cores too (each call is counted)."""
         idle = self._probe()
         self.calls += 1
         self.lent += idle
@@ -86,7 +86,7 @@ class BoundSession:
     """An `InferenceSession` on the CPU provider, run through IOBindings over torch tensors.
 
     With `wide_threads` and `spare`, the graph is loaded twice: on `threads` threads, and on `wide_threads`
-    (the step side's cores and the codec's) for the calls made while `spare.idle()`. The second copy costs the
+    (the step side's cores and the codec's) for the calls `spare.lend()` lets run there. The second copy costs the
     graph's weights again in memory; it exists because a batch-1 step is bound by memory bandwidth that one
     core cannot draw alone, and a prompt by arithmetic."""
 
@@ -117,7 +117,7 @@ class BoundSession:
         return bindings
 
     def run(self, binding: object) -> None:
-        wide = self.spare is not None and self.spare.idle()
+        wide = self.spare is not None and self.spare.lend()
         self._sessions[wide].run_with_iobinding(binding[wide])  # type: ignore[index]
 
 
