@@ -18,7 +18,7 @@ from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.engine.audio import AudioPipeline, CodecThread, cpu_thread_split
 from qwen3tts_agent.engine.messages import PromptSpec
 from qwen3tts_agent.engine.requests import ChunkPlan, PromptShape, RequestState
-from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio
+from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio, xvector_voice
 from tests.test_codec_streaming import tiny_decoder
 
 CODEC_THREAD = "qwen3tts-codec"
@@ -141,6 +141,43 @@ def test_the_graphs_borrow_the_codecs_cores_while_it_is_idle_with_the_same_codes
     assert 0 < lent <= calls and kept_lent == 0 and kept_calls > 0
     assert codes == kept_codes
     assert codes[0] == codes[1] and codes[1] != codes[2]  # the same request alone and beside another; two seeds
+
+
+def test_a_first_chunk_decoded_beside_a_step_goes_out_before_the_step_after_it(
+    two_threads: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU a frame step holds the core's thread, and nothing is delivered while it runs. The first chunk
+    decodes beside the second frame (just handed over: not waited for); when the third frame would start while
+    that decode is near its end, the step waits for it, so the chunk leaves before the third frame instead of
+    after it. Steps take 0.2 s here and the first decode 0.25 s: it ends ~0.05 s into the third frame's slot."""
+    step_s, first_decode_s = 0.2, 0.25
+    engine = engine_for("synthetic:tiny", max_streams=1)
+    try:
+        runner, codec = engine.core.runner, engine.core.audio.codec
+        step_starts: list[float] = []
+        original_step, original_decode = runner.frame_step, codec.decode
+
+        def frame_step(*args, **kwargs):
+            step_starts.append(time.perf_counter())
+            time.sleep(step_s)
+            return original_step(*args, **kwargs)
+
+        first = iter([True])
+
+        def decode(*args, **kwargs):
+            if next(first, False):
+                time.sleep(first_decode_s)
+            return original_decode(*args, **kwargs)
+
+        voice = xvector_voice(engine)
+        monkeypatch.setattr(runner, "frame_step", frame_step)
+        monkeypatch.setattr(codec, "decode", decode)
+        stream = engine.open_stream(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=4, ignore_eos=True))
+        chunks = list(stream.chunks(timeout=60))
+        left = chunks[0].timings.ready  # when the core handed the first chunk out
+        assert step_starts[1] < left < step_starts[2]
+    finally:
+        engine.close()
 
 
 def test_a_step_waits_for_a_first_chunk_near_the_end_of_its_decode() -> None:
