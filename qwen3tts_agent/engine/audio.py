@@ -124,6 +124,11 @@ class _Decoding:
     pending: Pending
     submitted: float = 0.0  # perf_counter() when it was handed to the codec's thread
 
+    @property
+    def first_chunk_pending(self) -> bool:
+        """It decodes a stream's first chunk and is not done yet."""
+        return not _done(self.pending) and any(plan.is_first for plan in self.plans)
+
     def host_pcm(self) -> np.ndarray:
         pcm = self.pcm.result() if isinstance(self.pcm, Future) else self.pcm
         return pcm.numpy()
@@ -338,9 +343,7 @@ class AudioPipeline:
     def first_audio_in_flight(self) -> bool:
         """Whether a stream's first chunk is being decoded on the early lane (its decode not yet done): a paced
         step may wait for it, so that the decode has the device to itself (`StepLauncher._launch_step`)."""
-        return any(
-            not _done(decoding.pending) and any(p.index == 0 for p in decoding.plans) for decoding in self._early_decoding
-        )
+        return any(decoding.first_chunk_pending for decoding in self._early_decoding)
 
     def wait_for_first_audio(self, timeout_s: float, older_than_s: float) -> bool:
         """On the CPU's codec thread: wait up to `timeout_s` for the decodes in flight that hold a stream's first
@@ -354,8 +357,7 @@ class AudioPipeline:
         before = time.perf_counter() - older_than_s
         pending = [
             decoding.pending for decoding in self._decoding
-            if isinstance(decoding.pending, Future) and not decoding.pending.done() and decoding.submitted < before
-            and any(plan.is_first for plan in decoding.plans)
+            if isinstance(decoding.pending, Future) and decoding.first_chunk_pending and decoding.submitted < before
         ]
         if not pending:
             return False
