@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +75,7 @@ class Record:
     played_until: float | None = None  # when its listener has heard the last of it (monotonic)
     stages_ms: dict[str, float] | None = None  # where the first chunk's time went (`done` metrics; an HTTP header)
     error: str | None = None
+    failed_at: float | None = None  # when the error came (monotonic)
 
     @property
     def rtf(self) -> float | None:
@@ -94,6 +96,7 @@ class ClientPlan:
     start_at: float  # time.monotonic() (CLOCK_MONOTONIC: shared by the processes of one machine)
     held: int = 0  # closed loop instead: this many streams at once, each followed by the next (`held_loop`)
     back_to_back: bool = False  # a held stream's next request once its audio is received, not played
+    hang_s: float | None = None  # a request with no `done`, error or close this long is given up as hung
     records: list[Record] = field(default_factory=list)
 
 
@@ -235,9 +238,34 @@ async def held_loop(plan: ClientPlan, request, offset: float) -> None:  # noqa: 
 
 async def _guarded(request, plan: ClientPlan, record: Record) -> None:  # noqa: ANN001
     try:
-        await request(plan, record)
+        if plan.hang_s is None:
+            await request(plan, record)
+        else:
+            await bounded_request(request(plan, record), plan.hang_s)
     except Exception as exc:  # noqa: BLE001 - every failure is a data point
         record.error = f"{type(exc).__name__}: {exc}"[:300]
+        record.failed_at = time.monotonic()
+
+
+class Hung(Exception):
+    """A request that got neither its `done`, an error nor a close within its bound."""
+
+
+async def bounded_request(request: Awaitable[None], hang_s: float) -> None:
+    """`request`, given up as `Hung` after `hang_s` (a timeout of the request's own, e.g. a handshake's, stays
+    what it is). The abandoned request gets a few seconds to close its connection."""
+    task = asyncio.ensure_future(request)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=hang_s)
+    except asyncio.CancelledError:  # the caller's: the request goes with it
+        task.cancel()
+        raise
+    if task in done:
+        task.result()  # the request's own error, if it failed
+        return
+    task.cancel()
+    await asyncio.wait({task}, timeout=5.0)
+    raise Hung(f"nothing ended it within {hang_s:g} s")
 
 
 def client_process(plan: ClientPlan, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
@@ -254,6 +282,11 @@ def mean_overlap(spans: list[tuple[float, float]], window: tuple[float, float]) 
     return covered / (window[1] - window[0])
 
 
+def error_key(error: str) -> str:
+    """A failed request's error by kind: the server's error code (`busy`, `not_ready`, ...) or the exception's name."""
+    return error.split(":", 2)[1].strip() if error.startswith("RuntimeError") else error.split(":")[0]
+
+
 def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, object]:
     measured = [r for r in records if window[0] <= r.started < window[1]]
     ok = [r for r in measured if r.error is None and r.first_audio_s is not None]
@@ -262,7 +295,7 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
     errors: dict[str, int] = {}
     for r in measured:
         if r.error is not None:
-            key = r.error.split(":", 2)[1].strip() if r.error.startswith("RuntimeError") else r.error.split(":")[0]
+            key = error_key(r.error)
             errors[key] = errors.get(key, 0) + 1
     underruns = [r for r in ok if r.stall_s > UNDERRUN_S]
     staged = [r.stages_ms for r in ok if r.stages_ms]
@@ -365,6 +398,15 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
             pass
         time.sleep(0.5)
     raise RuntimeError(f"serve was not ready within {args.startup_timeout} s")
+
+
+def stop_server(server: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to serve's process group (the supervisor stops its workers and core), SIGKILL after 60 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def run_rate(
@@ -531,11 +573,7 @@ def main() -> None:
                 write_report(args, report)
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+            stop_server(server)
 
 
 if __name__ == "__main__":

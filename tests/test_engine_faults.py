@@ -6,6 +6,7 @@ methods for a while (the model runner's prefill or frame step, the prompt builde
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -162,5 +163,33 @@ def test_a_dead_core_ends_its_streams_refuses_new_ones_and_restarts(voice: Voice
         assert engine.healthy and engine.stats().restarts == 1  # a fresh core, with a fresh runner
         assert engine.core.runner is not runner
         assert speak(engine, v) == 4
+    finally:
+        engine.close()
+
+
+def test_a_stop_that_comes_during_a_turn_ends_the_core_at_once() -> None:
+    """`Engine.close()` puts a stop on the core's queue. One that arrives while a turn runs is taken by the next
+    turn's first look at the queue; that turn, with nothing left to do, then waited for another message without
+    a timeout, so the core's thread outlived close() (which gave up on it after 30 s). A pass-through spy on the
+    prompts' lane puts the stop during a turn that made progress, as a stream's last delivery does."""
+    engine = engine_for("synthetic:tiny", max_streams=2)
+    core = engine.core
+    run_prompts = core.prompt_lane.run
+    armed = threading.Event()
+
+    def run() -> bool:
+        progressed = run_prompts()
+        if armed.is_set():
+            armed.clear()
+            core.stop()
+            return True  # this turn moved something: the loop goes straight on to its next turn
+        return progressed
+
+    core.prompt_lane.run = run  # type: ignore[method-assign]
+    try:
+        armed.set()
+        core.call(lambda: None).result(timeout=10)  # wakes the idle core: its next turn runs the spy
+        engine._thread.join(timeout=5)
+        assert not armed.is_set() and not engine._thread.is_alive()
     finally:
         engine.close()

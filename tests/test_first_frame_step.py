@@ -56,9 +56,9 @@ def test_first_frames_in_steps_of_their_own_change_no_code(monkeypatch: pytest.M
     on_batched_launch(engine, lambda rows, now: batched_steps.append(len(rows)))
     record_step_time = scheduler.load.record_step_time
 
-    def record_spy(seconds: float) -> None:
+    def record_spy(seconds: float, now: float) -> None:
         timed_steps.append(seconds)
-        record_step_time(seconds)
+        record_step_time(seconds, now)
 
     scheduler.load.record_step_time = record_spy  # type: ignore[method-assign]
     try:

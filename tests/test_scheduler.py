@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen3tts_agent.engine.device_load import FIRST_FRAME_PAUSE_S, LATE_CHUNKS_TO_SHED, LATE_WINDOW_S
+from qwen3tts_agent.engine.device_load import (
+    FIRST_FRAME_PAUSE_S,
+    LATE_CHUNKS_TO_SHED,
+    LATE_WINDOW_S,
+    STEP_WINDOW_S,
+    DeviceLoad,
+)
 from qwen3tts_agent.engine.pacer import StepPacer
 from qwen3tts_agent.engine.requests import (
     FRAME_SECONDS,
@@ -276,13 +282,60 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
 
 
 def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:
+    load = DeviceLoad()
+    for i in range(10):
+        load.record_step_time(0.02, 0.02 * i)  # 4x faster than real time
+    assert not load.overloaded(0.2)
+    for i in range(10):
+        load.record_step_time(0.07, 0.2 + 0.07 * i)  # barely faster than real time: no headroom
+    assert load.step_seconds(0.9) == pytest.approx((10 * 0.02 + 10 * 0.07) / 20)
+    assert not load.overloaded(0.9)  # the fast steps still weigh in
+    assert load.overloaded(1.25)  # the last second's steps: nine of 0.07 s
+
+
+def test_one_long_step_counts_for_the_step_window_and_then_not_at_all_whether_steps_follow_or_not() -> None:
+    """A first compile for new shapes, a capture, a stall: one step of seconds. It is evidence of load for
+    STEP_WINDOW_S after it ended, then none, with steps after it or without (a moving average over steps kept
+    it for good when nothing stepped, and refused every stream from then on)."""
+    idle = DeviceLoad()
+    idle.record_step_time(0.01, 99.0)
+    idle.record_step_time(25.0, 100.0)  # nothing steps after it
+    assert idle.overloaded(100.0) and idle.overloaded(100.0 + STEP_WINDOW_S)
+    assert not idle.overloaded(100.0 + STEP_WINDOW_S + 0.001) and idle.step_seconds(100.0 + STEP_WINDOW_S + 0.001) == 0.0
+    busy = DeviceLoad()
+    busy.record_step_time(25.0, 100.0)
+    ends = [100.0 + 0.02 * (i + 1) for i in range(100)]  # fast steps go on for two seconds after it
+    for end in ends:
+        busy.record_step_time(0.02, end)
+        if end <= 100.0 + STEP_WINDOW_S:
+            assert busy.overloaded(end), end
+    assert not busy.overloaded(ends[-1]) and busy.step_seconds(ends[-1]) == pytest.approx(0.02)
+
+
+def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries() -> None:
+    load = DeviceLoad()
+    for i in range(LATE_CHUNKS_TO_SHED):
+        load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i)  # the stream's chunks left late
+    last = 10.1 + 0.01 * (LATE_CHUNKS_TO_SHED - 1)
+    assert load.overloaded(last) and load.first_frames_paused(last)
+    assert not load.overloaded(last + LATE_WINDOW_S + 0.001)  # nothing delivered since: it fades all the same
+    assert load.first_frames_paused(last + FIRST_FRAME_PAUSE_S - 0.001)
+    assert not load.first_frames_paused(last + FIRST_FRAME_PAUSE_S)
+    assert load.stats.late_chunks == LATE_CHUNKS_TO_SHED  # the counters keep every late chunk
+
+
+def test_an_engine_with_nothing_live_admits_whatever_its_recent_steps_say() -> None:
+    """The evidence was about load that left with its streams: with no request live the scheduler never refuses;
+    once one is, the same evidence counts again."""
     scheduler = make_scheduler()
-    for _ in range(10):
-        scheduler.load.record_step_time(0.02)  # 4x faster than real time
-    assert not scheduler.load.overloaded(0.0)
-    for _ in range(30):
-        scheduler.load.record_step_time(0.07)  # barely faster than real time: no headroom
-    assert scheduler.load.overloaded(0.0)
+    scheduler.load.record_step_time(25.0, 1.0)
+    assert scheduler.load.overloaded(1.1) and not scheduler.overloaded(1.1)
+    r = make_request("r", max_frames=2)
+    start(scheduler, r, [5, 6], now=1.1)
+    assert scheduler.overloaded(1.1)  # a stream is live: the device's last second of steps was slow
+    assert not scheduler.overloaded(1.0 + STEP_WINDOW_S + 0.01)  # and then it was not
+    scheduler.finish(r, FinishReason.CANCELLED)
+    assert not scheduler.overloaded(1.1)
 
 
 def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None:
@@ -343,7 +396,7 @@ def test_on_a_full_device_a_new_streams_first_frame_waits_for_the_clock_too() ->
     start(scheduler, new, [5, 6])
     rows = scheduler.runnable()
     assert new in rows and scheduler.paced(rows)  # three stepping: it waits for the tick with them
-    assert scheduler.pace_release(rows, 0.02) == float("inf")  # nobody presses before their next chunk
+    assert scheduler.pace_release(rows, 0.01, 0.02) == float("inf")  # nobody presses before their next chunk
     with pytest.raises(ValueError):
         make_scheduler(clock_first_frame_load=-1)
 
@@ -391,14 +444,14 @@ def test_the_clock_lets_a_step_go_early_when_a_streams_next_chunk_would_be_late(
     scheduler = make_scheduler(pace_load=1)
     a = make_request("a", schedule=(1, 2, 4))
     start(scheduler, a, [5, 6])
-    assert scheduler.pace_release([a], 0.02) == float("inf")  # no first audio yet: nothing is due
+    assert scheduler.pace_release([a], 0.0, 0.02) == float("inf")  # no first audio yet: nothing is due
     [first] = step(scheduler, 0.0)
     scheduler.on_delivered(first, now=0.01)  # the second chunk (2 frames) is due at 0.01 + 0.08
-    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
+    assert scheduler.pace_release([a], 0.01, 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
     step(scheduler, 0.02)  # one of them made
-    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 0.02 - PACE_MARGIN_S)
+    assert scheduler.pace_release([a], 0.02, 0.02) == pytest.approx(0.09 - 0.02 - PACE_MARGIN_S)
     scheduler.on_launched([a])  # the other in flight: the chunk needs no more steps
-    assert scheduler.pace_release([a], 0.02) == float("inf")
+    assert scheduler.pace_release([a], 0.02, 0.02) == float("inf")
 
 
 def test_the_release_counts_the_missing_frames_at_the_devices_step_time_up_to_a_period() -> None:
@@ -408,11 +461,14 @@ def test_the_release_counts_the_missing_frames_at_the_devices_step_time_up_to_a_
     start(scheduler, a, [5, 6])
     [first] = step(scheduler, 0.0)
     scheduler.on_delivered(first, now=0.01)  # the second chunk (2 frames) is due at 0.09
-    scheduler.load.record_step_time(0.005)
-    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.005 - PACE_MARGIN_S)
-    for _ in range(40):
-        scheduler.load.record_step_time(0.05)  # steps slower than the period: one a period
-    assert scheduler.pace_release([a], 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
+    scheduler.load.record_step_time(0.005, 0.01)
+    assert scheduler.pace_release([a], 0.01, 0.02) == pytest.approx(0.09 - 2 * 0.005 - PACE_MARGIN_S)
+    scheduler.load.record_step_time(0.095, 0.01)  # steps slower than the period on average: one a period
+    assert scheduler.pace_release([a], 0.01, 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
+    # no step ended within the window: a period each, not the old steps' time
+    assert scheduler.pace_release([a], 0.01 + STEP_WINDOW_S + 0.01, 0.02) == pytest.approx(0.09 - 2 * 0.02 - PACE_MARGIN_S)
+    scheduler.load.record_step_time(0.005, 2.0)
+    assert scheduler.pace_release([a], 2.0, 0.02) == pytest.approx(0.09 - 2 * 0.005 - PACE_MARGIN_S)
 
 
 def test_steps_may_wait_for_audio_only_when_every_stream_is_well_ahead_of_its_listener() -> None:
@@ -508,6 +564,26 @@ def test_only_an_open_interleaved_text_with_one_final_token_speculates() -> None
     assert off.text_feeds() == [] and r.speculated is None
 
 
+def test_frames_after_a_chunk_cut_short_wait_for_their_own_chunks_time_not_the_decoding_ones() -> None:
+    """A chunk cut short for its deadline covers the listener once it is decoded and sent: the frames made while
+    it decodes belong to the next scheduled chunk, needed when the audio cut so far has played. (They were
+    cut at once, one by one, against the deadline of the chunk still decoding: more chunks shorter than their
+    schedule, and more codec calls, for no audio sooner.)"""
+    scheduler = make_scheduler()
+    r = make_request("r", schedule=(1, 8))
+    start(scheduler, r, [5, 6])
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=1.0)  # played from 1.0: the second chunk is needed at 1.08
+    step(scheduler, 1.0)
+    [second] = step(scheduler, 1.08 - URGENT_SLACK_S / 2)  # cut short, 2 frames: the third is needed at 1.24
+    assert (second.index, second.n_frames) == (1, 2) and r.runs_out() == pytest.approx(1.24)
+    assert step(scheduler, 1.07) == [] and step(scheduler, 1.08) == []  # the second still decodes: no 1-frame chunks
+    scheduler.on_delivered(second, now=1.085)  # it left 5 ms late
+    assert step(scheduler, 1.09) == []  # 3 of 8 made, 150 ms left: wait for the rest
+    [third] = step(scheduler, 1.24 - URGENT_SLACK_S / 2)  # a fourth, and now it is needed within 40 ms
+    assert (third.index, third.frame_start, third.n_frames) == (2, 3, 4)
+
+
 def test_a_chunk_cut_short_for_its_deadline_is_as_long_as_one_codec_call_takes() -> None:
     """With decodes graphed for 1, 2, 4 and 8 frames, 7 urgent pending frames go as 4 (one call, batched
     with other streams' 4-frame chunks); the other 3 are due 320 ms later and wait for the schedule."""
@@ -600,7 +676,7 @@ def test_under_load_a_new_stream_steps_in_a_first_frame_slot_until_batched_steps
 def test_where_batched_steps_are_slow_a_new_stream_stays_longer_in_its_first_frame_slot() -> None:
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _under_load(scheduler)
-    scheduler.load.record_step_time(0.03)  # a batched step of hundreds of rows
+    scheduler.load.record_step_time(0.03, 0.02)  # a batched step of hundreds of rows
     new = make_request("new", schedule=(1, 2, 4))
     start(scheduler, new, [5, 6], now=0.02)
     [first] = _frame(scheduler, [new], 0.025)
@@ -628,7 +704,9 @@ def test_batched_steps_wait_for_new_streams_in_first_frame_slots_while_the_other
     missing = busy[0].next_chunk_frames - len(busy[0].pending)
     expected = 0.08 - missing * 0.02 - EARLY_HOLD_MARGIN_S
     assert scheduler.early_release(rows, 0.02, 0.02) == pytest.approx(expected)
-    assert scheduler.early_release(rows, 0.02, 0.02) == pytest.approx(scheduler.pace_release(busy, 0.02, EARLY_HOLD_MARGIN_S))
+    assert scheduler.early_release(rows, 0.02, 0.02) == pytest.approx(
+        scheduler.pace_release(busy, 0.02, 0.02, EARLY_HOLD_MARGIN_S)
+    )
 
 
 def test_a_new_stream_waiting_for_text_leaves_its_first_frame_slot_and_holds_no_step() -> None:

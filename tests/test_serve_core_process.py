@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_S = 180
 
@@ -222,3 +223,247 @@ def test_only_the_core_process_loads_torch(server: subprocess.Popen[bytes]) -> N
     others = [child for child in supervisor.children(recursive=True) if child.pid != core.pid]
     assert loads_torch(core)
     assert not any(loads_torch(p) for p in (supervisor, *others))
+
+
+# ---------------------------------------------------------------------- two API workers: one server's view
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    """One sample of an exposition, or the sum of every sample of `name` that has `labels` (0 when none)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def _api_workers(server: subprocess.Popen[bytes]) -> set[int]:
+    """The pids of the supervisor's API workers: its children listening on the server's port."""
+    port = server.port  # type: ignore[attr-defined]
+    workers = set()
+    for child in psutil.Process(server.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # a dead worker that uvicorn reaps meanwhile
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in child.net_connections("tcp")):
+                workers.add(child.pid)
+    return workers
+
+
+async def _session(port: int, frames: int = 3) -> websockets.ClientConnection:
+    ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/stream")
+    await ws.send(json.dumps({"type": "start", "sampling": {"max_frames": frames, "ignore_eos": True}}))
+    assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "ready"
+    return ws
+
+
+async def _until_sessions(port: int, count: int) -> None:
+    """Until /metrics (whichever worker answers) counts `count` sessions open."""
+    deadline = time.monotonic() + 10
+    while _sample(_scrape(port), "qwen3tts_active_sessions") != count:
+        assert time.monotonic() < deadline, f"/metrics never counted {count} sessions"
+        await asyncio.sleep(0.05)
+
+
+async def _sessions_on_both_workers(
+    server: subprocess.Popen[bytes], count: int, frames: int = 3
+) -> list[tuple[websockets.ClientConnection, int]]:
+    """`count` sessions open, each with the pid of the worker holding it, both workers holding at least one."""
+    port = server.port  # type: ignore[attr-defined]
+    held: list[tuple[websockets.ClientConnection, int]] = []
+    deadline = time.monotonic() + 60
+    while len(held) < count or len({pid for _, pid in held}) < 2:
+        assert time.monotonic() < deadline, "one worker took every connection for a minute"
+        if len(held) == count:  # all on one worker: give one back and try again
+            await held.pop()[0].close()
+            await _until_sessions(port, len(held))
+        ws = await _session(port, frames)
+        held.append((ws, _worker_of(server, ws.local_address[1]).pid))
+    return held
+
+
+async def _refused_busy(port: int) -> None:
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        await websockets.connect(f"ws://127.0.0.1:{port}/v1/stream")
+    assert refused.value.response.status_code == 503
+    assert json.loads(refused.value.response.body)["error"]["code"] == "busy"
+
+
+def _speech(port: int, frames: int) -> bytes:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/audio/speech", method="POST",
+        data=json.dumps({"model": "qwen3-tts", "input": "Counted once, whoever scrapes.", "response_format": "pcm",
+                         "sampling": {"max_frames": frames, "ignore_eos": True}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read()
+
+
+async def test_two_workers_metrics_read_the_same_server_wide_totals_on_every_scrape() -> None:
+    """Every scrape, whichever worker answers, sums both workers' series (the engine's once); a SIGKILLed
+    worker's gauges drop out while its counters keep counting, and its replacement adds to them."""
+    process = _serve("--workers", "2", "--send-timeout", "60", "--no-warmup")  # the engine starts no stream of its own
+    port = process.port  # type: ignore[attr-defined]
+    try:
+        _wait_for(port, 200, STARTUP_S)
+        served_by: list[int] = []
+        while len(served_by) < 6 or len(set(served_by)) < 2:  # utterances over WebSocket, on both workers
+            assert len(served_by) < 200, "one worker took every connection"
+            ws = await _utterance(port, frames=3)
+            served_by.append(_worker_of(process, ws.local_address[1]).pid)
+            assert (await _audio_then(ws))[-1]["finish_reason"] == "max_frames"
+            await ws.close()
+        await _until_sessions(port, 0)
+        http = 4
+        for _ in range(http):
+            assert len(_speech(port, frames=3)) == 3 * 1920 * 2
+        ws_count = len(served_by)
+        deadline = time.monotonic() + 10  # the core publishes its stats every 0.25 s
+        while _sample(_scrape(port), "qwen3tts_engine_streams_started") != ws_count + http:
+            assert time.monotonic() < deadline, "the engine's streams_started never read the streams started"
+            await asyncio.sleep(0.1)
+        for _ in range(20):  # the issue: each scrape read the one worker that took it
+            text = _scrape(port)
+            assert _sample(text, "qwen3tts_first_audio_seconds_count", endpoint="ws") == ws_count
+            assert _sample(text, "qwen3tts_first_audio_seconds_count", endpoint="http") == http
+            assert _sample(text, "qwen3tts_utterances_total", finish_reason="max_frames") == ws_count + http
+            assert _sample(text, "qwen3tts_queue_wait_seconds_count") == ws_count + http
+            assert _sample(text, "qwen3tts_engine_streams_started") == ws_count + http  # once, not per worker
+            assert _sample(text, "qwen3tts_active_streams") == 0
+
+        # a long utterance held on each worker, then one worker SIGKILLed
+        held = await _sessions_on_both_workers(process, 2, frames=2000)
+        for ws, _ in held:
+            await ws.send(json.dumps({"type": "text", "text": "Long enough to outlive a worker."}))
+            await ws.send(json.dumps({"type": "flush"}))
+            first = await asyncio.wait_for(ws.recv(), 60)
+            assert isinstance(first, str) and json.loads(first)["type"] == "audio"
+        for _ in range(5):
+            text = _scrape(port)
+            assert _sample(text, "qwen3tts_active_streams", endpoint="ws") == 2
+            assert _sample(text, "qwen3tts_active_sessions") == 2
+        (_, doomed), (survivor, _) = held
+        workers = _api_workers(process)
+        killed = psutil.Process(doomed)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        for _ in range(5):  # at once: the scrape finds the dead worker's cell unheld
+            text = _scrape(port)
+            assert _sample(text, "qwen3tts_active_streams", endpoint="ws") == 1
+            assert _sample(text, "qwen3tts_active_sessions") == 1
+            assert _sample(text, "qwen3tts_utterances_total", finish_reason="max_frames") == ws_count + http
+        await survivor.close()
+        deadline = time.monotonic() + 60
+        while len(_api_workers(process) - workers) < 1:  # uvicorn's replacement
+            assert time.monotonic() < deadline, "uvicorn did not replace the killed worker"
+            await asyncio.sleep(0.1)
+        await _until_sessions(port, 0)
+        done = await _sessions_on_both_workers(process, 2)
+        assert {pid for _, pid in done} == _api_workers(process)  # the survivor and the replacement
+        for ws, _ in done:
+            await ws.send(json.dumps({"type": "text", "text": "After the restart."}))
+            await ws.send(json.dumps({"type": "flush"}))
+        for ws, _ in done:
+            await _audio_then(ws)
+            await ws.close()
+        await _until_sessions(port, 0)
+        # the survivor's long utterance ended cancelled (its client left); every other finished one counts
+        for _ in range(10):
+            text = _scrape(port)
+            assert _sample(text, "qwen3tts_utterances_total", endpoint="ws") == ws_count + 1 + 2
+            assert _sample(text, "qwen3tts_first_audio_seconds_count") == ws_count + http + 2
+            assert _sample(text, "qwen3tts_active_streams") == 0
+    finally:
+        _stop(process)
+
+
+async def test_max_sessions_holds_over_both_workers_and_a_killed_workers_sessions_are_released() -> None:
+    """`--max-sessions 3` with 2 workers: 3 sessions in all, a 4th refused whichever worker takes it; the
+    sessions of a SIGKILLed worker stop counting, and the limit holds over its replacement too."""
+    process = _serve("--workers", "2", "--max-sessions", "3")
+    port = process.port  # type: ignore[attr-defined]
+    try:
+        _wait_for(port, 200, STARTUP_S)
+        workers = _api_workers(process)
+        held = await _sessions_on_both_workers(process, 3)
+        for _ in range(10):  # a per-worker limit would let each worker take 3
+            await _refused_busy(port)
+        assert _sample(_scrape(port), "qwen3tts_active_sessions") == 3
+        pids = [pid for _, pid in held]
+        doomed = max(set(pids), key=pids.count)  # the worker holding two of the three
+        psutil.Process(doomed).send_signal(signal.SIGKILL)
+        await _until_sessions(port, 1)
+        survivors = [ws for ws, pid in held if pid != doomed]
+        late = [await _session(port), await _session(port)]  # the dead worker's two, free again
+        await _refused_busy(port)
+        for ws in [*survivors, *late]:
+            await ws.close()
+        await _until_sessions(port, 0)
+        deadline = time.monotonic() + 60
+        while len(_api_workers(process) - workers) < 1:  # uvicorn's replacement
+            assert time.monotonic() < deadline, "uvicorn did not replace the killed worker"
+            await asyncio.sleep(0.1)
+        again = await _sessions_on_both_workers(process, 3)  # the replacement takes sessions, within the limit
+        assert {pid for _, pid in again} == _api_workers(process)
+        for _ in range(10):
+            await _refused_busy(port)
+        for ws, _ in again:
+            await ws.close()
+        await _until_sessions(port, 0)
+    finally:
+        _stop(process)
+
+
+async def _session_on(server: subprocess.Popen[bytes], pid: int, frames: int) -> websockets.ClientConnection:
+    """A session held by the worker `pid` (others that the port hands elsewhere are closed)."""
+    port = server.port  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, f"worker {pid} took no connection for a minute"
+        ws = await _session(port, frames)
+        if _worker_of(server, ws.local_address[1]).pid == pid:
+            return ws
+        await ws.close()
+
+
+async def _say(ws: websockets.ClientConnection, text: str) -> None:
+    await ws.send(json.dumps({"type": "text", "text": text}))
+    await ws.send(json.dumps({"type": "flush"}))
+
+
+async def test_max_queued_holds_over_both_workers() -> None:
+    """`--max-queued 1` with 2 workers of one slot each: one utterance waits in one worker, and the other
+    worker refuses its next one at once instead of queuing a second."""
+    process = _serve("--workers", "2", "--max-active-streams", "1", "--max-queued", "1", "--queue-timeout", "60",
+                     "--send-timeout", "60")
+    port = process.port  # type: ignore[attr-defined]
+    try:
+        _wait_for(port, 200, STARTUP_S)
+        playing = await _sessions_on_both_workers(process, 2, frames=2000)
+        for ws, _ in playing:  # each worker's one slot taken
+            await _say(ws, "Long enough to keep the slot.")
+            first = await asyncio.wait_for(ws.recv(), 60)
+            assert isinstance(first, str) and json.loads(first)["type"] == "audio"
+        (_, first_worker), (_, second_worker) = playing
+        waiting = await _session_on(process, first_worker, frames=3)
+        await _say(waiting, "I wait for the slot.")
+        deadline = time.monotonic() + 10
+        while _sample(_scrape(port), "qwen3tts_queued_requests") != 1:
+            assert time.monotonic() < deadline, "the utterance never queued"
+            await asyncio.sleep(0.05)
+        refused = await _session_on(process, second_worker, frames=3)
+        await _say(refused, "No room in the queue for me.")
+        error = json.loads(await asyncio.wait_for(refused.recv(), 10))
+        assert error["type"] == "error" and error["code"] == "busy", error
+        assert json.loads(await asyncio.wait_for(refused.recv(), 10))["finish_reason"] == "error"
+        for _ in range(5):
+            assert _sample(_scrape(port), "qwen3tts_queued_requests") == 1
+        for ws in (refused, waiting, *(ws for ws, _ in playing)):
+            await ws.close()
+        await _until_sessions(port, 0)
+        assert _sample(_scrape(port), "qwen3tts_queued_requests") == 0
+    finally:
+        _stop(process)

@@ -217,6 +217,8 @@ class EngineCore:
     def _turn(self) -> None:
         started = time.perf_counter()
         self._apply_messages(block=False)
+        if self._stopping:  # taken here, the stop must end the loop now: this turn's wait would outlast it
+            return
         progressed = self.prompt_lane.run()
         started = self._timed("prompts", started)
         try:

@@ -78,13 +78,9 @@ def resident_bytes() -> int:
         return 0
 
 
-def auto_max_streams(model: OfficialModule, max_seq_len: int) -> int:
-    """Stream slots for this device: 16 on the CPU; on a GPU as many as fit in the free memory (talker and
-    predictor KV caches, the projected text track, the codec's state and its graph scratch rows per slot), in
-    multiples of 16, at most 256. Slots are allocated up front, so this is checked once at start-up."""
-    device = next(model.talker.parameters()).device
-    if device.type != "cuda":
-        return AUTO_STREAMS_CPU
+def slot_bytes(model: OfficialModule, max_seq_len: int) -> int:
+    """Device memory one stream slot takes: talker and predictor KV caches, the projected text track, the codec's
+    state and its graph scratch rows."""
     cfg = model.config.talker_config
     pcfg = cfg.code_predictor_config
     itemsize = next(model.talker.parameters()).element_size()
@@ -94,14 +90,62 @@ def auto_max_streams(model: OfficialModule, max_seq_len: int) -> int:
     predictor_kv = 2 * pcfg.num_hidden_layers * pcfg.num_key_value_heads * 16 * p_head_dim
     text_track = max_seq_len * cfg.hidden_size
     codec_state = 3 * 8 * 2**20 // itemsize  # three codec slots a stream (its own and two graph scratch rows)
-    per_slot = itemsize * (talker_kv + predictor_kv + text_track + codec_state)
-    free, _ = torch.cuda.mem_get_info(device)
-    fit = int(free * AUTO_MEMORY_FRACTION // per_slot)
+    return int(itemsize * (talker_kv + predictor_kv + text_track + codec_state))
+
+
+def slot_memory(device: torch.device, device_share: float) -> tuple[int, str]:
+    """The memory this engine's slots may take on `device` (`memory_for_slots`), and how that was decided."""
+    free, total = torch.cuda.mem_get_info(device)
+    return memory_for_slots(free, total, torch.cuda.memory_reserved(device), device_share)
+
+
+def memory_for_slots(free: int, total: int, taken: int, device_share: float) -> tuple[int, str]:
+    """Bytes the slots may take, and how that was decided (for messages): what is `free`, or, with a
+    `device_share` below 1 (engines sharing a GPU, e.g. Ray replicas of `num_gpus=0.5`), at most that share of
+    the device's `total` less what this process has `taken` already (its weights), so engines that start at the
+    same time do not each count the whole free memory as theirs."""
+    gib = 2**30
+    if device_share >= 1.0:
+        return free, f"{free / gib:.1f} GiB free"
+    share = int(device_share * total) - taken
+    return max(0, min(free, share)), (
+        f"{device_share:g} of {total / gib:.1f} GiB less {taken / gib:.1f} GiB taken; {free / gib:.1f} GiB free"
+    )
+
+
+def auto_max_streams(model: OfficialModule, max_seq_len: int, device_share: float = 1.0) -> int:
+    """Stream slots for this device: 16 on the CPU; on a GPU as many as fit in `AUTO_MEMORY_FRACTION` of the
+    memory the slots may take (`slot_memory`), in multiples of 16, at most 256. Slots are allocated up front, so
+    this is checked once at start-up."""
+    device = next(model.talker.parameters()).device
+    if device.type != "cuda":
+        return AUTO_STREAMS_CPU
+    per_slot = slot_bytes(model, max_seq_len)
+    memory, source = slot_memory(device, device_share)
+    fit = int(memory * AUTO_MEMORY_FRACTION // per_slot)
     slots = min(AUTO_STREAMS_MAX, fit // 16 * 16 if fit >= 16 else fit)
     if slots < 1:
-        raise ValueError(f"not enough free device memory for one stream slot ({per_slot / 2**20:.0f} MiB)")
-    logger.info("max_streams auto: %d slots (%.0f MiB each, %.1f GiB free)", slots, per_slot / 2**20, free / 2**30)
+        raise ValueError(f"not enough device memory for one stream slot ({per_slot / 2**20:.0f} MiB; {source})")
+    logger.info("max_streams auto: %d slots (%.0f MiB each; %s)", slots, per_slot / 2**20, source)
     return slots
+
+
+def check_slots_fit(model: OfficialModule, max_streams: int, max_seq_len: int, device_share: float) -> None:
+    """Refuse, with the figures, `max_streams` slots that do not fit in `AUTO_MEMORY_FRACTION` of the memory this
+    engine may take (the rest is for its graphs and work space, as with "auto"): an out-of-memory error in the
+    middle of the start-up says nothing of why or what would fit."""
+    device = next(model.talker.parameters()).device
+    if device.type != "cuda":
+        return
+    per_slot = slot_bytes(model, max_seq_len)
+    memory, source = slot_memory(device, device_share)
+    budget = memory * AUTO_MEMORY_FRACTION
+    if max_streams * per_slot > budget:
+        raise ValueError(
+            f"{max_streams} stream slots need {max_streams * per_slot / 2**30:.1f} GiB ({per_slot / 2**20:.0f} MiB "
+            f"each), more than {AUTO_MEMORY_FRACTION:.0%} of the {memory / 2**30:.1f} GiB this engine may take "
+            f"({source}): use at most {int(budget // per_slot)} slots, or max_streams 'auto'"
+        )
 
 
 class Engine(EngineFrontend):
@@ -132,10 +176,14 @@ class Engine(EngineFrontend):
         step_period_s: float | None = None,
         clock_first_frame_load: int | None = None,
         first_audio_alone: bool | None = None,
+        device_share: float = 1.0,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
-        (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
-        time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU.
+        (`auto_max_streams`). `device_share`: the share of the GPU's memory this engine may take, below 1 where
+        engines share a GPU (Ray replicas of `num_gpus` 0.5, say): "auto" slots then fit that share, and explicit
+        ones that cannot are refused at once with the figures. `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
+        time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU. Only while a
+        stream is live, and by the last second's steps and late chunks alone (`Scheduler.overloaded`).
         `adapt_chunks`: a stream whose next chunk is nearly due gets its frames decoded at once instead of
         in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
         where an engine near real time would otherwise cut most chunks short.
@@ -186,10 +234,14 @@ class Engine(EngineFrontend):
         self.device = next(model.talker.parameters()).device
         self.dtype = next(model.talker.parameters()).dtype
         self.backend = resolve_backend(backend, self.device)
+        if not 0.0 < device_share <= 1.0:
+            raise ValueError(f"device_share must be in (0, 1], got {device_share!r}")
         if max_streams == "auto":
-            max_streams = auto_max_streams(model, max_seq_len)
+            max_streams = auto_max_streams(model, max_seq_len, device_share)
         if not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be a positive number or 'auto', got {max_streams!r}")
+        if device_share < 1.0:
+            check_slots_fit(model, max_streams, max_seq_len, device_share)
         self._config = CoreConfig(
             max_streams=max_streams, max_seq_len=max_seq_len, backend=self.backend, chunk_schedule=tuple(chunk_schedule),
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
@@ -208,7 +260,7 @@ class Engine(EngineFrontend):
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(
             model, sample_rate=SAMPLE_RATE, max_streams=max_streams, max_seq_len=max_seq_len, top_k_cap=top_k_cap,
-            chunk_schedule=tuple(chunk_schedule), device=str(self.device),
+            chunk_schedule=tuple(chunk_schedule), device=str(self.device), adapt_chunks=self._config.adapt_chunks,
         )
         super().__init__(info, tokenizer, max_queue=max_queue, max_text_chars=max_text_chars)
         self.shed_when_behind = self.device.type == "cuda" if shed_when_behind is None else shed_when_behind
@@ -305,7 +357,7 @@ class Engine(EngineFrontend):
             raise EngineClosedError("engine is closed")
         if not self._accepting:
             raise EngineNotReadyError("the engine is restarting after a failure; retry shortly")
-        if self.shed_when_behind and self.core.scheduler.load.overloaded(time.perf_counter()):
+        if self.shed_when_behind and self.core.scheduler.overloaded(time.perf_counter()):
             raise EngineOverloadedError("busy: the engine is running behind real time; retry shortly")
 
     @property
@@ -376,7 +428,7 @@ class Engine(EngineFrontend):
             **{f.name: getattr(base, f.name) + getattr(now, f.name) for f in fields(CoreStats)},  # this core's and dead ones'
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
-            overloaded=self.shed_when_behind and scheduler.load.overloaded(time.perf_counter()),
+            overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

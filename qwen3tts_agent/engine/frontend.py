@@ -64,6 +64,7 @@ class ModelInfo:
     top_k_cap: int
     chunk_schedule: tuple[int, ...]
     device: str = "cpu"
+    adapt_chunks: bool = False  # a chunk may be cut short when its listener would otherwise run out (`cut_chunk`)
     kernel_paths: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -138,6 +139,7 @@ class EngineFrontend:
         self.max_queue = max_queue
         self.max_text_chars = max_text_chars
         self.chunk_schedule = info.chunk_schedule
+        self.adapt_chunks = info.adapt_chunks
         self.top_k_cap = info.top_k_cap
         self._streams: dict[str, SpeechStream] = {}
         self._lock = threading.Lock()

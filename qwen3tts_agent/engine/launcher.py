@@ -70,10 +70,10 @@ class StepLauncher:
         for step in self.steps.completed():
             gpu_seconds = step.device_seconds()
             self.pacer.completed(gpu_seconds)
-            if gpu_seconds is not None and step.batched:
-                self.scheduler.load.record_step_time(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()
+            if gpu_seconds is not None and step.batched:
+                self.scheduler.load.record_step_time(gpu_seconds, now)
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
             plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
             self._release = self._early_release = None
@@ -124,7 +124,7 @@ class StepLauncher:
         if not self.pacer.may_launch(now):
             return False
         rows = self.scheduler.runnable()
-        if not rows or self._awaits_first_audio():
+        if not rows or self._awaits_first_audio(now):
             return False
         period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
@@ -138,7 +138,7 @@ class StepLauncher:
         )
         if held:
             if self._release is None:  # until the next step, collect or delivery changes a stream's need
-                self._release = self.scheduler.pace_release(rows, period)
+                self._release = self.scheduler.pace_release(rows, now, period)
             if now < self._release:
                 self._waited_for_audio |= not early
                 return False
@@ -157,12 +157,12 @@ class StepLauncher:
         self._waited_for_audio = False
         return True
 
-    def _awaits_first_audio(self) -> bool:
+    def _awaits_first_audio(self, now: float) -> bool:
         """On a CPU whose codec has a thread of its own a step holds this thread for its whole length, and
         delivers nothing meanwhile. A stream's first chunk that has been decoding for half a step (a decode
         beside a step takes about one) is waited for, up to half a step; when it came, the step goes next
         turn, after the chunk has gone out."""
-        half_step = FIRST_AUDIO_WAIT_STEPS * self.scheduler.load.stats.step_seconds
+        half_step = FIRST_AUDIO_WAIT_STEPS * self.scheduler.load.step_seconds(now)
         return self.audio.wait_for_first_audio(half_step, older_than_s=half_step)
 
     def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
@@ -176,7 +176,8 @@ class StepLauncher:
             self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
         )
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
-            self.scheduler.load.record_step_time(time.perf_counter() - now)
+            ended = time.perf_counter()
+            self.scheduler.load.record_step_time(ended - now, ended)
         self.pacer.launched(step.bucket, now, batched=batched)
         self.stats.steps += 1
 

@@ -16,7 +16,8 @@ FRAME_SECONDS = 0.08  # one codec frame of audio
 # Speech runs about 3-4 frames per text token; twice a slow speaker's rate plus two seconds is generous.
 RUNAWAY_BASE_FRAMES = 25
 RUNAWAY_FRAMES_PER_TOKEN = 8
-# A stream whose next chunk is due within this many seconds has its pending frames decoded at once.
+# A stream whose chunk in the making is needed within this many seconds (`RequestState.runs_out`) has its
+# pending frames decoded at once (with deadline-aware chunking, `cut_chunk`).
 URGENT_SLACK_S = 0.04
 
 
@@ -131,6 +132,14 @@ class RequestState:
             return None
         return self.first_audio + self.delivered_frames * FRAME_SECONDS
 
+    def runs_out(self) -> float | None:
+        """When its listener, playing from the first chunk on in real time, will have played every chunk cut so
+        far (delivered or still decoding): the chunk it is filling now is needed then. None before that first
+        chunk has left."""
+        if self.first_audio is None:
+            return None
+        return self.first_audio + self.pending_start * FRAME_SECONDS
+
     def text_wait(self, now: float) -> float:
         """How long the first frame waited for text: from admission (before it, the request waited for a
         slot) until the text its first frame needs had arrived, or until `now` if it never did."""
@@ -185,14 +194,20 @@ def urgency(plan: ChunkPlan, now: float) -> tuple[int, float]:
 
 def cut_chunk(request: RequestState, now: float, *, adapt: bool, decode_sizes: list[int]) -> ChunkPlan | None:
     """The chunk a request's pending frames make now, if one is due: its next scheduled chunk once it has the
-    frames, every frame left once it has ended, and with `adapt` (deadline-aware chunking), as soon as its
-    next chunk is due within `URGENT_SLACK_S`, the most of its frames one decode takes (the longest of the
-    sorted `decode_sizes` they fill, so that it costs one codec call; the rest are due later)."""
+    frames, every frame left once it has ended, and with `adapt` (deadline-aware chunking), as soon as the
+    chunk is needed within `URGENT_SLACK_S` (`RequestState.runs_out`: a chunk cut before it and still decoding
+    covers the listener until then, so the frames after it wait for their own chunk's time, not that one's),
+    the most of its frames one decode takes (the longest of the sorted `decode_sizes` they fill, so that it
+    costs one codec call; the rest are due later).
+
+    What a chunk schedule promises (docs/server.md, "Chunks") follows: called after every frame, this cuts a
+    scheduled chunk as soon as it fills, so no chunk holds more than its scheduled frames; a first chunk is
+    never urgent (no deadline before first audio); and a shorter one is the last, or an urgent one."""
     if not request.pending:
         return None
     ended = request.finish_reason is not None
-    deadline = request.deadline()
-    urgent = adapt and deadline is not None and deadline - now < URGENT_SLACK_S
+    needed = request.runs_out()
+    urgent = adapt and needed is not None and needed - now < URGENT_SLACK_S
     if not (ended or urgent or len(request.pending) >= request.next_chunk_frames):
         return None
     if ended:

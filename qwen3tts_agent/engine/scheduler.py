@@ -7,10 +7,11 @@ Python over host-side request state, so `tests/test_scheduler.py` drives it with
 Deadlines. A client plays a stream from its first chunk on, in real time, so once the first chunk has
 left, the next chunk is needed by `first_audio + delivered_frames * 80 ms`. The time left until then is
 the stream's slack. Chunks due for decoding are handed to the core most urgent first (first chunks, then
-by deadline), and a stream whose slack runs short gets its pending frames decoded at once rather than
-waiting to fill its next scheduled chunk. Overload is refused at admission (`DeviceLoad.overloaded`, from the
-steps' times and the late chunks booked in `load`) while admitted streams still have slack, instead of letting
-every stream starve a little.
+by deadline), and a stream whose audio cut so far runs out soon gets its pending frames decoded at once rather
+than waiting to fill its next scheduled chunk (`cut_chunk`; no chunk is ever longer than its schedule's).
+Overload is refused at admission (`overloaded`: while a stream is live, from the last second's step times and
+late chunks booked in `load`) while admitted streams still have slack, instead of letting every stream starve a
+little.
 
 First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
 a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
@@ -398,11 +399,13 @@ class Scheduler:
         stepping = sum(1 for r in rows if r.frames_launched)
         return stepping == len(rows) or self._clocks_first_frames(stepping)
 
-    def pace_release(self, rows: Sequence[RequestState], period_s: float, margin_s: float = PACE_MARGIN_S) -> float:
+    def pace_release(
+        self, rows: Sequence[RequestState], now: float, period_s: float, margin_s: float = PACE_MARGIN_S
+    ) -> float:
         """Until when a paced step of `rows` may wait for the clock (`paced`): `step_timing.pace_release` at the
-        device's recent step time (`DeviceLoad.record_step_time`; a period before any was measured, and at
-        most one)."""
-        seconds = self.load.stats.step_seconds
+        device's recent step time (`DeviceLoad.step_seconds`; a period where no step ended lately, and at most
+        one)."""
+        seconds = self.load.step_seconds(now)
         return step_timing.pace_release(rows, min(period_s, seconds) if seconds else period_s, margin_s)
 
     def early_release(self, rows: Sequence[RequestState], now: float, period_s: float) -> float:
@@ -412,7 +415,7 @@ class Scheduler:
         early = [r for r in self._first_frame if self._stepping_early(r, now, period_s)]
         if not early:
             return -math.inf
-        return self.pace_release([r for r in rows if r not in early], period_s, EARLY_HOLD_MARGIN_S)
+        return self.pace_release([r for r in rows if r not in early], now, period_s, EARLY_HOLD_MARGIN_S)
 
     def _stepping_early(self, request: RequestState, now: float, period_s: float) -> bool:
         """Whether a request in a first-frame slot has a frame there in flight or one to run (`first_frame_rows`)."""
@@ -422,7 +425,7 @@ class Scheduler:
     def settled(self, request: RequestState, now: float, period_s: float) -> bool:
         """Whether a new stream can leave its first-frame slot: `step_timing.settled` at the device's step time,
         at least the clock's `period_s`."""
-        return step_timing.settled(request, now, max(period_s, self.load.stats.step_seconds))
+        return step_timing.settled(request, now, max(period_s, self.load.step_seconds(now)))
 
     def first_frame_rows(self, now: float, period_s: float) -> list[RequestState]:
         """Requests in first-frame slots whose next frame can run now, in a step of those slots alone: new
@@ -505,6 +508,13 @@ class Scheduler:
                 self._release(request)
                 self.finishing.append(request)
         return sorted(plans, key=lambda p: urgency(p, now))
+
+    def overloaded(self, now: float) -> bool:
+        """Whether new streams should be refused now (the engine's `busy`): while a request is live and the
+        device's recent steps or chunks say it runs behind (`DeviceLoad.overloaded`). An engine with nothing
+        live admits whatever that evidence says: it was about load that left with its streams, and a new stream
+        would have the device to itself. (Read on callers' threads: `requests` is only tested for emptiness.)"""
+        return bool(self.requests) and self.load.overloaded(now)
 
     # ----------------------------------------------------------------- delivery
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:

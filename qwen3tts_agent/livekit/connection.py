@@ -5,6 +5,9 @@ carries the options it was started with and serves only streams with equal optio
 must owe nothing: every utterance it opened has had its `done`. A stream that ends early (the agent was
 interrupted) therefore sends `cancel` and reads the remaining `done` messages before the connection goes
 back to the pool; anything unexpected closes it instead.
+
+Every wait here is `waits.bounded`, not `asyncio.wait_for`: on Python 3.10/3.11 that can return a message to
+a reader that was just cancelled, which then reads on while the stream waits for it to end.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from websockets.exceptions import (
 )
 from websockets.protocol import State
 
+from ..waits import bounded
 from . import protocol
 from .protocol import SessionOptions
 
@@ -102,8 +106,8 @@ class Connection:
         """The next message. Silence is a timeout only when an answer is due (`expected`, or audio owed)."""
         while True:
             try:
-                return await asyncio.wait_for(self._ws.recv(), self.timeout)
-            except (asyncio.TimeoutError, TimeoutError):
+                return await bounded(self._ws.recv(), self.timeout)
+            except TimeoutError:
                 if expected or self.open_utterances > 0:
                     raise APITimeoutError(f"no answer from the TTS server for {self.timeout:g}s") from None
                 # waiting for our own text (an LLM still thinking) is not the server's fault
@@ -149,9 +153,9 @@ class Connection:
                     self.open_utterances -= 1
 
         try:
-            await asyncio.wait_for(self._ws.send(json.dumps(protocol.CANCEL)), 1.0)
-            await asyncio.wait_for(read_dones(), DRAIN_TIMEOUT_S)
-        except (ConnectionClosed, OSError, ValueError, asyncio.TimeoutError, TimeoutError):
+            await bounded(self._ws.send(json.dumps(protocol.CANCEL)), 1.0)
+            await bounded(read_dones(), DRAIN_TIMEOUT_S)
+        except (ConnectionClosed, OSError, TimeoutError, ValueError):
             return False
         return self.is_open
 
@@ -159,9 +163,9 @@ class Connection:
         """Close; with `cancel`, first tell the server to stop the utterance so its GPU slot frees at once."""
         try:
             if cancel and self.open_utterances > 0:
-                await asyncio.wait_for(self._ws.send(json.dumps(protocol.CANCEL)), 1.0)
-            await asyncio.wait_for(self._ws.close(), 2.0)
-        except (ConnectionClosed, OSError, asyncio.TimeoutError, TimeoutError):
+                await bounded(self._ws.send(json.dumps(protocol.CANCEL)), 1.0)
+            await bounded(self._ws.close(), 2.0)
+        except (ConnectionClosed, OSError, TimeoutError):
             pass  # the connection is already gone: the server cancels on disconnect anyway
 
 

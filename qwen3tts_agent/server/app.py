@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import json
@@ -19,6 +18,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import Receive, Scope, Send
 
 from ..errors import Qwen3TTSAgentError
+from ..waits import bounded
 from .admission import Admission
 from .audio import PcmEncoder, streaming_wav_header
 from .config import ServerConfig
@@ -38,6 +38,7 @@ from .state import ServerState
 
 if TYPE_CHECKING:
     from ..engine.frontend import EngineFrontend
+    from .workers import WorkerCell
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
                 raise ApiError("message_too_large", f"request body exceeds {limit} bytes")
 
     try:
-        await asyncio.wait_for(receive_all(), timeout_s)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+        await bounded(receive_all(), timeout_s)  # not asyncio.wait_for, which can swallow a cancel (waits.py)
+    except TimeoutError:
         raise ApiError("request_timeout", f"request body not received within {timeout_s:g}s") from None
     return decode_json(bytes(body))
 
@@ -194,13 +195,17 @@ def create_app(
     engine: EngineFrontend | None = None,
     engine_factory: Callable[[], EngineFrontend] | None = None,
     ready_wait_s: float = 0.0,
+    worker: WorkerCell | None = None,
 ) -> FastAPI:
     """Build the app around one engine: an instance the caller owns, or a factory run (and closed) by the app.
 
     With a factory the server answers /health at once and /ready only after load and warm-up; with
     `ready_wait_s` it first waits up to that long for readiness before taking connections (`ServerState.lifespan`).
+    `worker`: the app is one of `serve`'s API workers, whose limits and metrics are server-wide (`server/workers.py`).
     """
-    state = ServerState(config, engine=engine, engine_factory=engine_factory, ready_wait_s=ready_wait_s)
+    state = ServerState(
+        config, engine=engine, engine_factory=engine_factory, ready_wait_s=ready_wait_s, worker=worker
+    )
     app = FastAPI(title="qwen3tts-agent", lifespan=state.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
@@ -311,19 +316,16 @@ def create_app(
             # answer with a status code, and refusing the upgrade with one is what clients can act on
             await authorized(ws)
             await ready()
-            if state.sessions >= config.max_sessions:
+            if not state.open_sessions.try_add(config.max_sessions):  # server-wide: every API worker's sessions
                 raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly")
         except ApiError as err:
             state.count_error(err)
             await ws.send_denial_response(error_response(err))
             return
-        state.sessions += 1
-        state.metrics.active_sessions.inc()
         try:
             await ws.accept()
             await StreamSession(ws, state).run()
         finally:
-            state.sessions -= 1
-            state.metrics.active_sessions.dec()
+            state.open_sessions.remove()
 
     return app

@@ -68,9 +68,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "a registered voice id/name or a CustomVoice speaker")
     p.add_argument("--default-voice-audio", type=Path, help="reference recording registered as the default voice")
     p.add_argument("--default-voice-text", help="transcript of --default-voice-audio (omit: x-vector-only cloning)")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="concurrent WebSocket sessions")
-    p.add_argument("--max-active-streams", type=int, help="utterances synthesized at once (default: engine slots)")
-    p.add_argument("--max-queued", type=int, default=d.max_queued, help="utterances waiting for a slot before 'busy'")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                   help="concurrent WebSocket sessions: one figure for all of serve's API workers (per replica "
+                   "with serve-ray)")
+    p.add_argument("--max-active-streams", type=int,
+                   help="utterances synthesized at once, per API worker (default: engine slots); docs/server.md")
+    p.add_argument("--max-queued", type=int, default=d.max_queued,
+                   help="utterances waiting for a slot before 'busy': one figure for all of serve's API workers "
+                   "(per replica with serve-ray)")
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds to wait for a slot")
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars, help="characters per utterance")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
@@ -192,7 +197,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..engine.engine import Engine  # the engine core on a thread of this process
     from .app import create_app
     from .connections import uvicorn_config
+    from .launcher import show_server_logs
 
+    show_server_logs(args.log_level)
     app = create_app(config, engine_factory=lambda: Engine.load(
         args.model, device=args.device, dtype=args.dtype, **engine_kwargs
     ))

@@ -42,9 +42,12 @@ class ServerConfig:
             a registered voice id/name or a CustomVoice speaker. None: the model's own default.
         default_voice_audio: Reference audio registered at startup as the default voice (Base models).
         default_voice_text: Transcript of `default_voice_audio` (None: x-vector-only cloning).
-        max_sessions: Concurrent WebSocket sessions; more are refused with 503.
-        max_active_streams: Engine streams synthesizing at once (None: the engine's own `max_streams`).
+        max_sessions: Concurrent WebSocket sessions; more are refused with 503. Server-wide: under
+            `serve --workers N`, all API workers together (`server/workers.py`).
+        max_active_streams: Engine streams synthesizing at once (None: the engine's own `max_streams`);
+            per API worker under `serve --workers N`.
         max_queued: Utterances waiting for a stream slot; beyond that requests fail at once with "busy".
+            Server-wide, as `max_sessions`.
         queue_timeout_s: Longest wait for a slot before failing with "busy".
         max_text_chars: Characters per utterance (WebSocket) or per `input` (HTTP).
         max_message_bytes: Largest WebSocket message and JSON request body.

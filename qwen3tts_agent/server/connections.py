@@ -6,7 +6,10 @@ transport's buffer to drain, and even a close waits behind the unread bytes, so 
 its memory outlive the request. These subclasses add exactly those bounds and nothing else:
 
 - HTTP (httptools): the request head must be complete within `read_timeout_s` of the connection opening
-  (or of the request's first byte on a keep-alive connection), else 408 and close; a response the client
+  (or of the request's first byte on a keep-alive connection), else 408 and close; a request answered before
+  its body arrived (an early 401, 404 or 503: the app never reads the body, so no body deadline of its own
+  starts) must finish sending the body within `read_timeout_s` of the answer, else the connection closes (each
+  byte of a trickled body would otherwise keep it open for good); a response the client
   leaves unread for `send_timeout_s` aborts the connection, which the app sees as a disconnect (so the
   utterance is cancelled and its slot freed).
 - WebSocket (websockets-sansio): a close never waits for the client to read: the close frame is queued
@@ -58,6 +61,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.limits = limits
         self._head_deadline: asyncio.TimerHandle | None = None
         self._unread_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,6 +76,16 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         _cancel(self._head_deadline)
         self._head_deadline = None
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        _cancel(self._body_deadline)  # the rest of an early-answered body came in time
+        self._body_deadline = None
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self._body_deadline = self.loop.call_later(self.limits.read_timeout_s, self._body_timed_out)
 
     def handle_websocket_upgrade(self) -> None:
         self._stop_timers()  # the WebSocket protocol takes the transport over, with bounds of its own
@@ -110,16 +124,20 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         )
         self.transport.close()
 
+    def _body_timed_out(self) -> None:
+        self._body_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()  # the answer went out already; the rest of its body is not worth waiting for
+
     def _client_stalled(self) -> None:
         self._unread_deadline = None
         logger.warning("closing an HTTP connection whose client read nothing for %gs", self.limits.send_timeout_s)
         self.transport.abort()
 
     def _stop_timers(self) -> None:
-        _cancel(self._head_deadline)
-        self._head_deadline = None
-        _cancel(self._unread_deadline)
-        self._unread_deadline = None
+        for timer in (self._head_deadline, self._unread_deadline, self._body_deadline):
+            _cancel(timer)
+        self._head_deadline = self._unread_deadline = self._body_deadline = None
 
 
 class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):

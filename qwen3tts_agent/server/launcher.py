@@ -5,6 +5,7 @@ The supervisor (the process `qwen3tts-agent serve` starts in) launches the engin
 process, or `--workers N` worker processes on one listening socket (uvicorn's own supervisor restarts a
 worker that dies). Every worker builds its app with `worker_app()`, whose engine is an `EngineClient` of
 the core, so HTTP/WebSocket handling, JSON and PCM encoding never share an interpreter with the step loop.
+Several workers share a private folder (`server/workers.py`) for server-wide metrics and limits.
 """
 
 from __future__ import annotations
@@ -63,8 +64,17 @@ def connect_to_core(address: str, failure_file: Path) -> Any:
     return EngineClient.connect(address, timeout=None, give_up=failed)
 
 
+def show_server_logs(log_level: str) -> None:
+    """The server's own log lines (its readiness and effective limits) at `--log-level`, as the core's are:
+    the CLI's root logger shows warnings only, and a worker that uvicorn spawns has no logging set up."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s [api %(process)d] %(name)s: %(message)s")
+    logging.getLogger("qwen3tts_agent").setLevel(log_level.upper())
+
+
 def worker_app() -> Any:
     """The app of one API worker (a uvicorn factory): the server over an `EngineClient` of the core."""
+    settings = json.loads(os.environ[SETTINGS_ENV])
+    show_server_logs(settings["log_level"])
     from ..caches import use_bytecode_cache
 
     use_bytecode_cache()
@@ -72,11 +82,16 @@ def worker_app() -> Any:
 
     # the event loop and the engine client's I/O thread share the interpreter lock: hand it over quickly
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    settings = json.loads(os.environ[SETTINGS_ENV])
     config = _config_from_json(settings["config"])
     address, failure_file = settings["core_address"], Path(settings["core_failure_file"])
+    worker = None
+    if settings["worker_group"] is not None:  # one of several workers
+        from .workers import WorkerGroup
+
+        worker = WorkerGroup(Path(settings["worker_group"]), settings["workers"]).join()
     return create_app(
-        config, engine_factory=lambda: connect_to_core(address, failure_file), ready_wait_s=WORKER_READY_WAIT_S
+        config, engine_factory=lambda: connect_to_core(address, failure_file), ready_wait_s=WORKER_READY_WAIT_S,
+        worker=worker,
     )
 
 
@@ -126,16 +141,39 @@ def serve(config: ServerConfig, launch: CoreLaunch, *, workers: int, log_level: 
 
 
 def _run_api_workers(config: ServerConfig, core_address: str, workers: int, log_level: str, failure: _CoreFailure) -> None:
-    """uvicorn with `workers` API workers (in this process when one) until interrupted or the core fails."""
+    """uvicorn with `workers` API workers (in this process when one) until interrupted or the core fails.
+
+    Several workers get a fresh `WorkerGroup` folder, made before they start (prometheus_client reads
+    `PROMETHEUS_MULTIPROC_DIR` once, when a worker first imports it) and removed once they have all stopped."""
+    from .workers import METRICS_DIR_ENV, WorkerGroup
+
+    group = WorkerGroup.create(workers) if workers > 1 else None
+    outer_metrics_dir = os.environ.get(METRICS_DIR_ENV)
+    try:
+        if group is not None:
+            os.environ[METRICS_DIR_ENV] = str(group.metrics_dir)  # inherited by the workers uvicorn spawns
+        os.environ[SETTINGS_ENV] = json.dumps({
+            "config": _config_to_json(config), "core_address": core_address,
+            "core_failure_file": str(failure.failure_file),
+            "worker_group": str(group.directory) if group is not None else None, "workers": workers,
+            "log_level": log_level,
+        })
+        _run_uvicorn(config, workers, log_level, failure)
+    finally:
+        if group is not None:
+            if outer_metrics_dir is None:
+                os.environ.pop(METRICS_DIR_ENV, None)
+            else:
+                os.environ[METRICS_DIR_ENV] = outer_metrics_dir
+            group.remove()
+
+
+def _run_uvicorn(config: ServerConfig, workers: int, log_level: str, failure: _CoreFailure) -> None:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
     from .connections import uvicorn_options
 
-    os.environ[SETTINGS_ENV] = json.dumps({
-        "config": _config_to_json(config), "core_address": core_address,
-        "core_failure_file": str(failure.failure_file),
-    })
     options: dict[str, Any] = {**uvicorn_options(config, log_level=log_level), "factory": True, "workers": workers}
     server_config = uvicorn.Config("qwen3tts_agent.server.launcher:worker_app", **options)
     server = uvicorn.Server(server_config)

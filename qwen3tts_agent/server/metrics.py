@@ -1,13 +1,23 @@
-"""Prometheus metrics of one server (own registry, so several apps in one process never collide)."""
+"""Prometheus metrics of one server: its own registry, so several apps in one process never collide.
+
+Under `serve --workers N` each worker counts its own share in prometheus_client's multiprocess files
+(`server/workers.py`), and every worker's `/metrics` answers with the sum over all of them: counters and
+histograms of every worker that ever ran, `qwen3tts_active_streams` of the live ones (`livesum`), sessions and
+queued utterances from the server-wide counts the limits use, and the engine core's series once.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from .workers import Count
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _RTF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
@@ -44,10 +54,37 @@ class _EngineCollector(Collector):
         yield loop
 
 
-class ServerMetrics:
-    """The server's counters; `endpoint` is "ws" or "http"."""
+class _HeldCollector(Collector):
+    """Sessions open and utterances queued, read from the counts the limits hold them against (server-wide
+    under `serve --workers N`, where reading them also drops the share of a worker that died)."""
 
-    def __init__(self, engine_stats: Callable[[], Any | None]) -> None:
+    def __init__(self, sessions: Count, queued: Count) -> None:
+        self._sessions = sessions
+        self._queued = queued
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("qwen3tts_active_sessions", "WebSocket sessions open", value=self._sessions.total)
+        yield GaugeMetricFamily(
+            "qwen3tts_queued_requests", "Utterances waiting for a synthesis slot", value=self._queued.total
+        )
+
+
+class ServerMetrics:
+    """The server's counters; `endpoint` is "ws" or "http".
+
+    `multiprocess_dir`: this process is one of `serve`'s API workers and prometheus_client writes to that
+    folder (one app per process then: two would share their values); `render` sums every worker's files.
+    """
+
+    def __init__(
+        self,
+        engine_stats: Callable[[], Any | None],
+        *,
+        sessions: Count,
+        queued: Count,
+        multiprocess_dir: Path | None = None,
+    ) -> None:
+        self._multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         r = self.registry
         self.first_audio = Histogram(
@@ -66,9 +103,9 @@ class ServerMetrics:
             buckets=_RTF_BUCKETS,
             registry=r,
         )
-        self.active_streams = Gauge("qwen3tts_active_streams", "Engine streams open", ["endpoint"], registry=r)
-        self.queued = Gauge("qwen3tts_queued_requests", "Utterances waiting for a synthesis slot", registry=r)
-        self.active_sessions = Gauge("qwen3tts_active_sessions", "WebSocket sessions open", registry=r)
+        self.active_streams = Gauge(
+            "qwen3tts_active_streams", "Engine streams open", ["endpoint"], registry=r, multiprocess_mode="livesum"
+        )
         self.utterances = Counter(
             "qwen3tts_utterances", "Finished utterances", ["endpoint", "finish_reason"], registry=r
         )
@@ -89,10 +126,20 @@ class ServerMetrics:
             "qwen3tts_chunk_lateness_seconds", "Each chunk after the first: how late it left (0 when on time)",
             ["endpoint"], buckets=_LATENESS_BUCKETS, registry=r,
         )
-        r.register(_EngineCollector(engine_stats))
+        self._held = _HeldCollector(sessions, queued)
+        self._engine = _EngineCollector(engine_stats)
+        r.register(self._held)
+        r.register(self._engine)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition: this registry's, or under `serve --workers N` the sum over every worker's files."""
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._held)  # first: reading the counts drops a dead worker's live gauge files
+        MultiProcessCollector(registry, path=str(self._multiprocess_dir))
+        registry.register(self._engine)
+        return generate_latest(registry)
 
     def playback(self, endpoint: str) -> PlaybackClock:
         return PlaybackClock(self, endpoint)

@@ -5,7 +5,9 @@ Every send waits only while the connection's bounded send buffer is full, i.e. w
 reading; after `send_timeout_s` the outbox counts the client as stalled and calls `on_stall` (the session then
 frees the client's synthesis slots and closes with 4010, `StreamSession`). An audio header and its payload go
 out back to back under the lock, so a client can always pair them, and the last words of a closing session
-never land between the two.
+never land between the two. Every wait here is `waits.bounded`, never `asyncio.wait_for`, whose Python 3.10/3.11
+version can turn a cancel of the sending task into a normal return (the session's teardown would then wait
+for a runner that was never stopped).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-# what starlette/uvicorn raise when sending on a socket that is closing or closed
+from ..waits import bounded
+
+# what starlette/uvicorn raise when sending on a socket that is closing or closed (OSError includes the
+# builtin TimeoutError, which `bounded` raises: catch that first where it means something else)
 SEND_ERRORS = (WebSocketDisconnect, WebSocketDisconnected, OSError, RuntimeError)
 
 # After a send timed out, how long the last words may still wait for room before the close goes out.
@@ -65,8 +70,8 @@ class SessionOutbox:
         if self.gone:
             raise Gone
         try:
-            await asyncio.wait_for(self._ws.send(message), self._send_timeout_s)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            await bounded(self._ws.send(message), self._send_timeout_s)
+        except TimeoutError:
             self.gone = self.stalled = True
             self._on_stall()  # its close ends the reader, whose teardown waits for it
             raise Stalled from None
@@ -76,27 +81,27 @@ class SessionOutbox:
         self.touch()
 
     async def close(self, code: int, reason: str) -> None:
-        """Close the socket (once), after any send in progress."""
+        """Close the socket (once), after any send in progress; the close has a send's deadline."""
         async with self._lock:
             if self.gone:
                 return
             self.gone = True
-            with contextlib.suppress(*SEND_ERRORS):
-                await self._ws.close(code, reason)
+            with contextlib.suppress(TimeoutError, *SEND_ERRORS):
+                await bounded(self._ws.close(code, reason), self._send_timeout_s)
 
     async def last_words(self, body: dict[str, Any], code: int, reason: str) -> None:
         """For a stalled client: `body` if room for it appears within `LAST_WORDS_S` (never between an audio
         header and its payload), then the close, each bounded by the same wait."""
-        with contextlib.suppress(asyncio.TimeoutError, *SEND_ERRORS):
-            await asyncio.wait_for(self._lock.acquire(), LAST_WORDS_S)
+        with contextlib.suppress(TimeoutError, *SEND_ERRORS):
+            await bounded(self._lock.acquire(), LAST_WORDS_S, discard=lambda _: self._lock.release())
             try:
                 if not self._mid_audio:
-                    await asyncio.wait_for(self._ws.send({"type": "websocket.send", "text": _dumps(body)}), LAST_WORDS_S)
+                    await bounded(self._ws.send({"type": "websocket.send", "text": _dumps(body)}), LAST_WORDS_S)
             finally:
                 self._lock.release()
-        with contextlib.suppress(asyncio.TimeoutError, *SEND_ERRORS):
+        with contextlib.suppress(TimeoutError, *SEND_ERRORS):
             # BoundedWebSocketProtocol queues the close without waiting; the bound covers any other server.
-            await asyncio.wait_for(self._ws.close(code, reason), LAST_WORDS_S)
+            await bounded(self._ws.close(code, reason), LAST_WORDS_S)
 
 
 def _dumps(body: dict[str, Any]) -> str:

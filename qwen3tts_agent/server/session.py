@@ -8,6 +8,11 @@ disconnect stops the engine streams explicitly, so no GPU work outlives the clie
 Every send has a deadline (`send_timeout_s`, `server/outbox.py`): a client that stops reading fills the
 connection's bounded send buffer, the next send times out, and the session cancels its utterances (freeing
 their slots) and closes with 4010, so a client that does not read can never hold synthesis capacity.
+
+The teardown does not rely on a cancel reaching the runner: a cancel can be lost (a send that completes as
+it lands, `waits.py`; an ASGI server that swallows it), so the runner also stops at a flag the teardown sets,
+and the teardown waits for it (and for the engine's acknowledgements) with a bound. However the client
+leaves, the session ends and the route releases its count.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from ..errors import Qwen3TTSAgentError, StreamCancelledError
+from ..waits import bounded, cancel_and_wait
 from .audio import BYTES_PER_SAMPLE, PcmEncoder
 from .outbox import Gone, SessionOutbox, Stalled
 from .protocol import (
@@ -46,6 +52,11 @@ from .protocol import (
 from .state import ServerState, SynthesisSettings
 
 logger = logging.getLogger(__name__)
+
+# How long the teardown waits for each thing it stops (the runner, an engine stream's cancel, the close of a
+# stalled client) before it logs it and goes on: the session's end never waits on them without a bound.
+TEARDOWN_WAIT_S = 5.0
+
 
 @dataclass(eq=False)
 class _Utterance:
@@ -97,6 +108,7 @@ class StreamSession:
         self._next_uid = 1
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._stopping = False  # set by the teardown: the runner stops at its next turn, cancel or not
         self._stall_closer: asyncio.Task[None] | None = None
         self._end_reason = "disconnect"  # why utterances still open at teardown are cancelled (metrics)
         self._runner: asyncio.Task[None] | None = None
@@ -178,6 +190,10 @@ class StreamSession:
                 "max_text_chars": self._state.max_text_chars,
                 "max_message_bytes": self._config.max_message_bytes,
                 "idle_timeout_s": self._config.idle_timeout_s,
+                # what each utterance's chunks keep to (docs/server.md, "Chunks"): the session's schedule or the
+                # server's, and whether a chunk before the last may be shorter, for a listener about to run dry
+                "chunk_schedule": list(settings.chunk_schedule or self._state.engine.chunk_schedule),
+                "chunks_cut_short_when_late": self._state.engine.adapt_chunks,
             }
         )
         self._runner = asyncio.create_task(self._run_utterances(), name=f"session-{self.session_id}")
@@ -253,9 +269,11 @@ class StreamSession:
     async def _run_utterances(self) -> None:
         try:
             while True:
-                while not self._queue and not self._closing:
+                while not (self._queue or self._closing or self._stopping):
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                if self._stopping:
+                    return  # the client is gone: the teardown counts what is left
                 if not self._queue:
                     break
                 utt = self._queue[0]
@@ -280,7 +298,11 @@ class StreamSession:
         if not utt.has_words:
             await self._fail(utt, ApiError("invalid_text", f"utterance {utt.uid} is empty or whitespace-only"))
             return
-        admission = self._state.require_ready()
+        try:
+            admission = self._state.require_ready()
+        except ApiError as err:  # the engine is restarting: this utterance fails, the session goes on
+            await self._fail(utt, err)
+            return
         utt.waiter = asyncio.ensure_future(admission.acquire())
         try:
             queue_wait = await utt.waiter
@@ -288,6 +310,8 @@ class StreamSession:
             await self._fail(utt, err)
             return
         except asyncio.CancelledError:
+            if _granted(utt.waiter):
+                admission.release()  # the runner was cancelled just as its slot came: nobody will use it
             if not (utt.cancelled and utt.waiter.cancelled()):
                 raise
             await self._send_done(utt, "cancelled")
@@ -477,28 +501,41 @@ class StreamSession:
         return any(utt.waiter is not None and not utt.waiter.done() for utt in self._queue)
 
     async def _teardown(self) -> None:
-        """The client is gone or the session closed: cancel engine work still running, then the runner.
+        """The client is gone or the session closed: cancel engine work still running, then stop the runner.
 
-        Utterances that never got their `done` are counted as cancelled, so the metrics add up to every
-        utterance opened.
+        Each wait is bounded (`TEARDOWN_WAIT_S`), and the runner stops at `_stopping` even if its cancel is
+        lost, so the session always ends. Utterances that never got their `done` are counted as cancelled, so
+        the metrics add up to every utterance opened.
         """
         self._out.gone = True
+        self._stopping = True
+        self._wakeup.set()
         if self._out.stalled:
-            await self._close_stalled()
+            await self._bounded_step(asyncio.shield(self._close_stalled()), "closing the stalled client")
         # streams the client's departure cut short: still running, or cancelled as a send to it failed
         interrupted = [u for u in self._queue if u.stream is not None and (u.cut_short or not u.stream.done)]
         for utt in self._queue:
             utt.cancelled = True
             utt.update()
         for utt in interrupted:
-            try:
-                if not utt.stream.done:
-                    await utt.stream.acancel()
-            except Exception:
-                logger.exception("cancelling utterance %d of session %s", utt.uid, self.session_id)
+            if not utt.stream.done:
+                await self._bounded_step(utt.stream.acancel(), f"cancelling utterance {utt.uid}")
             self._metrics.cancels.labels(self._end_reason).inc()
         if self._runner is not None:
-            self._runner.cancel()
-            await asyncio.gather(self._runner, return_exceptions=True)
+            await cancel_and_wait(self._runner, TEARDOWN_WAIT_S, f"the runner of session {self.session_id}")
         for utt in self._queue:
             self._count(utt, "cancelled")
+
+    async def _bounded_step(self, step: Awaitable[object], what: str) -> None:
+        """One step of the teardown: given `TEARDOWN_WAIT_S`, then logged and left behind."""
+        try:
+            await bounded(step, TEARDOWN_WAIT_S)
+        except TimeoutError:
+            logger.warning("session %s: %s took over %gs; going on", self.session_id, what, TEARDOWN_WAIT_S)
+        except Exception:
+            logger.exception("session %s: %s failed", self.session_id, what)
+
+
+def _granted(waiter: asyncio.Future[float]) -> bool:
+    """The wait for a slot ended with the slot (so it must be released by whoever holds the waiter)."""
+    return waiter.done() and not waiter.cancelled() and waiter.exception() is None

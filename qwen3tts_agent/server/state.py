@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.types import SamplingParams, Voice
 from ..reference import demo_reference
+from ..waits import cancel_and_wait
 from .admission import Admission
 from .config import ServerConfig
 from .metrics import ServerMetrics
@@ -25,11 +26,16 @@ from .protocol import (
     from_engine_error,
 )
 from .voices import VoiceRegistry
+from .workers import Count, Held, LocalCount, WorkerCell
 
 if TYPE_CHECKING:
     from ..engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
+
+# How long a server that stops waits for its start-up to end once cancelled (a load or warm-up on a thread goes
+# on there regardless; the wait is for the start-up task's own awaits).
+STARTUP_CANCEL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,10 @@ class ServerState:
         engine: EngineFrontend | None = None,
         engine_factory: Callable[[], EngineFrontend] | None = None,
         ready_wait_s: float = 0.0,
+        worker: WorkerCell | None = None,
     ) -> None:
+        """`worker`: this process is one of `serve`'s API workers, and its group's cell makes the session and
+        queue limits, and the metrics, server-wide; None: this process is the whole server."""
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine or engine_factory")
         config.validate()
@@ -81,15 +90,28 @@ class ServerState:
         self._ready_wait_s = ready_wait_s
         self._engine = engine
         self._engine_factory = engine_factory
-        self.metrics = ServerMetrics(lambda: self._engine.stats() if self.ready and self._engine is not None else None)
+        self._worker = worker
+        # WebSocket sessions open (against `max_sessions`) and utterances waiting for a slot (`max_queued`)
+        self.open_sessions: Count = worker.count(Held.SESSIONS) if worker is not None else LocalCount()
+        self.queued: Count = worker.count(Held.QUEUED) if worker is not None else LocalCount()
+        self.metrics = ServerMetrics(
+            lambda: self._engine.stats() if self.ready and self._engine is not None else None,
+            sessions=self.open_sessions,
+            queued=self.queued,
+            multiprocess_dir=worker.group.metrics_dir if worker is not None else None,
+        )
         self.voices = VoiceRegistry(config.voices_dir, max_voices=config.max_voices)
         self.admission: Admission | None = None
         self.ready = False
         self.failure: str | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
-        self.sessions = 0
         self._default_voice: str | None = config.default_voice
         self._builtin_voice: Voice | None = None  # Base models only, when no default is configured
+
+    @property
+    def sessions(self) -> int:
+        """WebSocket sessions open: the whole server's under `serve --workers N`."""
+        return self.open_sessions.total
 
     @property
     def engine(self) -> EngineFrontend:
@@ -110,8 +132,7 @@ class ServerState:
         try:
             yield
         finally:
-            startup.cancel()
-            await asyncio.gather(startup, return_exceptions=True)
+            await cancel_and_wait(startup, STARTUP_CANCEL_WAIT_S, "the server's start-up")
             if self._engine_factory is not None and self._engine is not None:
                 await asyncio.to_thread(self._engine.close)
 
@@ -130,19 +151,30 @@ class ServerState:
                 raise ValueError(f"default voice {self._default_voice!r} is neither a registered voice nor a speaker")
             if self._default_voice is None and engine.model_type == "base":
                 self._builtin_voice = await asyncio.to_thread(self._demo_voice)
-            capacity = self.config.max_active_streams or engine.stats().max_streams
+            engine_slots = engine.stats().max_streams
+            capacity = self.config.max_active_streams or engine_slots
             self.admission = Admission(
-                capacity, max_queued=self.config.max_queued, timeout_s=self.config.queue_timeout_s
+                capacity, max_queued=self.config.max_queued, timeout_s=self.config.queue_timeout_s, queue=self.queued
             )
-            admission = self.admission
-            self.metrics.queued.set_function(lambda: admission.waiting)
             self.ready = True
-            logger.info("ready: model %s, %d stream slots", self.config.model_name, capacity)
+            logger.info("ready: model %s; %s", self.config.model_name, self._limits(capacity, engine_slots))
         except Exception as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
             logger.exception("startup failed")
             if self.on_failure is not None:
                 self.on_failure(exc)
+
+    def _limits(self, capacity: int, engine_slots: int) -> str:
+        """The effective limits, for the log: what holds server-wide and what per API worker."""
+        config = self.config
+        held = f"at most {config.max_sessions} WebSocket sessions and {config.max_queued} queued utterances"
+        if self._worker is None:
+            return f"{capacity} synthesis slots, {held}"
+        workers = self._worker.group.size
+        return (
+            f"synthesis slots: {capacity} in this API worker, {capacity * workers} over the {workers} workers (the "
+            f"engine core runs {engine_slots} streams at once and queues the rest); server-wide: {held}"
+        )
 
     def _demo_voice(self) -> Voice:
         """Base models need a reference to speak at all; a synthetic one makes a bare request work out of the box."""
