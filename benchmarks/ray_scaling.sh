@@ -6,13 +6,21 @@
 # replicas, Serve's proxy and controller, Ray's own daemons and the load's clients; on a machine of few
 # cores they compete, and other work on a shared machine moves CPU timings).
 #
-# Usage: bash benchmarks/ray_scaling.sh OUT "LOAD ARGS FOR 1 REPLICA" "LOAD ARGS FOR 2 REPLICAS"
+# With `serve` in REPLICA_COUNTS, the same load also runs against plain `qwen3tts-agent serve` (its engine core in a
+# process, API workers by default), the baseline a deployment on one GPU is compared with (OUT/serve.json).
+# After each Serve run, OUT/replicas-N-spread.json gives each replica's share of the utterances and sessions
+# (from /metrics/replicas, before and after the load).
+#
+# Usage: bash benchmarks/ray_scaling.sh OUT "LOAD ARGS FOR 1 REPLICA (and serve)" "LOAD ARGS FOR 2 REPLICAS"
 #   CPU: bash benchmarks/ray_scaling.sh OUT "--rates 0.6 0.9" "--rates 1.2 1.8"
 #   GPU: NUM_GPUS=1 NUM_CPUS=4 ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= \
 #        bash benchmarks/ray_scaling.sh OUT "--held 128 --rates 24" "--held 256 --rates 48"
+#   one GPU, two replicas on it beside `serve` (run_h200.sh's ray-1gpu stage):
+#        REPLICA_COUNTS="serve 2" NUM_GPUS=0.5 SERVE_ARGS="--max-streams 128" ... \
+#        bash benchmarks/ray_scaling.sh OUT "--rates 1 20 40" "--rates 1 20 40"
 # Env: PYTHON (python3), PORT (18200), MODEL (synthetic:tiny), ENGINE_CORE (thread), NUM_GPUS (0), NUM_CPUS (1),
 #      TORCH_THREADS (1; empty: torch's default), LOAD_COMMON (--clients 2 --warmup 5 --duration 30 --frames 100),
-#      SERVE_ARGS (more serve-ray options), REPLICA_COUNTS (default "1 2")
+#      SERVE_ARGS (more serve-ray options), BASELINE_ARGS (more `serve` options), REPLICA_COUNTS (default "1 2")
 set -euo pipefail
 OUT="$1"; LOAD1="$2"; LOAD2="$3"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +33,7 @@ NUM_CPUS="${NUM_CPUS:-1}"
 TORCH_THREADS="${TORCH_THREADS-1}"
 LOAD_COMMON="${LOAD_COMMON:---clients 2 --warmup 5 --duration 30 --frames 100}"
 SERVE_ARGS="${SERVE_ARGS:-}"
+BASELINE_ARGS="${BASELINE_ARGS:-}"
 REPLICA_COUNTS="${REPLICA_COUNTS:-1 2}"
 mkdir -p "$OUT"
 cd "$ROOT"
@@ -50,6 +59,7 @@ cpu_by_process() {  # CPU seconds so far of the running processes, summed per ki
             else if (line[pid] ~ /spawn_main/ && name[parent[pid]] ~ /^ray::ServeReplica/) kind = "engine-cores"
             else if (line[pid] ~ /raylet|gcs_server|dashboard|log_monitor|ray\/_private|ray\/autoscaler/) kind = "ray-daemons"
             else if (line[pid] ~ /qwen3tts_agent.cli serve-ray/) kind = "serve-ray-driver"
+            else if (line[pid] ~ /qwen3tts_agent.cli serve / || (line[pid] ~ /spawn_main/ && line[parent[pid]] ~ /qwen3tts_agent.cli serve /)) kind = "serve-supervisor-core-workers"
             else continue
             total[kind] += cpu[pid]
         }
@@ -69,21 +79,54 @@ cpu_during() {  # cpu_during BEFORE AFTER WALL: per kind, CPU seconds used betwe
     awk -v wall="$3" 'NR == FNR { before[$1] = $2; next } {
         used = $2 - before[$1]; total += used
         printf "    %-40s %7.1f s CPU (%.2f cores)\n", $1, used, used / wall
-    } END { printf "    %-40s %7.1f s CPU (%.2f cores) over %d s\n", "all Ray processes", total, total / wall, wall }' "$1" "$2"
+    } END { printf "    %-40s %7.1f s CPU (%.2f cores) over %d s\n", "all server processes", total, total / wall, wall }' "$1" "$2"
 }
 
-run() {  # run REPLICAS LOAD_ARGS
+replica_counts() {  # replica_counts FILE: per replica, utterances and sessions so far (JSON), from /metrics/replicas
+    "$PYTHON" - "http://127.0.0.1:$PORT/metrics/replicas" > "$1" <<'PY'
+import json, re, sys, urllib.request
+counts = {}
+with urllib.request.urlopen(sys.argv[1], timeout=10) as r:
+    for line in r.read().decode().splitlines():
+        m = re.match(r'(qwen3tts_(?:utterances_total|active_sessions|first_audio_seconds_count))\{(.*)\} (\S+)$', line)
+        if m:
+            replica = re.search(r'replica="([^"]+)"', m.group(2)).group(1)
+            key = m.group(1)
+            counts.setdefault(replica, {}).setdefault(key, 0.0)
+            counts[replica][key] += float(m.group(3))
+json.dump(counts, sys.stdout)
+PY
+}
+
+spread() {  # spread BEFORE AFTER: each replica's share of the utterances finished between the two snapshots
+    "$PYTHON" - "$1" "$2" <<'PY'
+import json, sys
+before, after = (json.load(open(p)) for p in sys.argv[1:3])
+done = {r: v.get("qwen3tts_utterances_total", 0) - before.get(r, {}).get("qwen3tts_utterances_total", 0) for r, v in after.items()}
+total = sum(done.values()) or 1
+print(json.dumps({"utterances": done, "share": {r: round(n / total, 3) for r, n in done.items()}}))
+PY
+}
+
+run() {  # run REPLICAS LOAD_ARGS  (REPLICAS "serve": the plain server, the baseline)
     local replicas="$1" load="$2" server
-    # shellcheck disable=SC2086
-    env ${TORCH_THREADS:+OMP_NUM_THREADS=$TORCH_THREADS} "$PYTHON" -m qwen3tts_agent.cli serve-ray --model "$MODEL" --replicas "$replicas" \
-        --num-gpus "$NUM_GPUS" --num-cpus "$NUM_CPUS" "${threads[@]}" --engine-core "$ENGINE_CORE" --port "$PORT" \
-        --max-queued 100000 --queue-timeout 60 --max-sessions 100000 --log-level warning $SERVE_ARGS \
-        > "$OUT/serve-ray-$replicas.log" 2>&1 &
+    if [ "$replicas" = serve ]; then
+        # shellcheck disable=SC2086
+        env ${TORCH_THREADS:+OMP_NUM_THREADS=$TORCH_THREADS} "$PYTHON" -m qwen3tts_agent.cli serve --model "$MODEL" \
+            --port "$PORT" --max-queued 100000 --queue-timeout 60 --max-sessions 100000 \
+            --log-level warning $BASELINE_ARGS > "$OUT/serve.log" 2>&1 &
+    else
+        # shellcheck disable=SC2086
+        env ${TORCH_THREADS:+OMP_NUM_THREADS=$TORCH_THREADS} "$PYTHON" -m qwen3tts_agent.cli serve-ray --model "$MODEL" --replicas "$replicas" \
+            --num-gpus "$NUM_GPUS" --num-cpus "$NUM_CPUS" "${threads[@]}" --engine-core "$ENGINE_CORE" --port "$PORT" \
+            --max-queued 100000 --queue-timeout 60 --max-sessions 100000 --log-level warning $SERVE_ARGS \
+            > "$OUT/serve-ray-$replicas.log" 2>&1 &
+    fi
     server=$!
     trap "kill -INT $server 2>/dev/null || true" EXIT
     for _ in $(seq 900); do
         curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
-        kill -0 $server 2>/dev/null || { echo "serve-ray exited (see $OUT/serve-ray-$replicas.log)"; exit 1; }
+        kill -0 $server 2>/dev/null || { echo "the server exited (see its log in $OUT)"; exit 1; }
         sleep 1
     done
     echo "$replicas replica(s), before: $(uptime)" >> "$OUT/conditions.txt"
@@ -91,10 +134,17 @@ run() {  # run REPLICAS LOAD_ARGS
     local busy_before; busy_before=$(machine_busy)
     local started=$SECONDS
     times > "$OUT/.times-before"  # this shell's waited-for children so far (the load's clients come next)
+    local name="replicas-$replicas"
+    [ "$replicas" = serve ] && name=serve
+    [ "$replicas" = serve ] || replica_counts "$OUT/.replicas-before"
     # shellcheck disable=SC2086
     "$PYTHON" -m benchmarks.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
-        --out "$OUT/replicas-$replicas.json"
+        --out "$OUT/$name.json"
     times > "$OUT/.times-after"
+    if [ "$replicas" != serve ]; then
+        replica_counts "$OUT/.replicas-after"
+        spread "$OUT/.replicas-before" "$OUT/.replicas-after" | tee "$OUT/$name-spread.json"
+    fi
     local wall=$((SECONDS - started))
     cpu_by_process > "$OUT/.cpu-after"
     local busy_after; busy_after=$(machine_busy)
@@ -106,12 +156,12 @@ run() {  # run REPLICAS LOAD_ARGS
         awk -v wall="$wall" -v c="$clients" 'BEGIN { printf "    %-40s %7.1f s CPU (%.2f cores)\n", "load clients (benchmarks/load.py)", c, c / wall }'
         awk -v wall="$wall" -v a="$busy_before" -v b="$busy_after" 'BEGIN { printf "    %-40s %7.1f s CPU (%.2f cores): the rest is other work\n", "whole machine busy", b - a, (b - a) / wall }'
     } >> "$OUT/conditions.txt"
-    rm -f "$OUT/.cpu-before" "$OUT/.cpu-after" "$OUT/.times-before" "$OUT/.times-after"
+    rm -f "$OUT/.cpu-before" "$OUT/.cpu-after" "$OUT/.times-before" "$OUT/.times-after" "$OUT"/.replicas-*
     kill -INT $server
     wait $server || true
     trap - EXIT
 }
 
 for replicas in $REPLICA_COUNTS; do
-    if [ "$replicas" = 1 ]; then run 1 "$LOAD1"; else run "$replicas" "$LOAD2"; fi
+    case $replicas in 1|serve) run "$replicas" "$LOAD1" ;; *) run "$replicas" "$LOAD2" ;; esac
 done

@@ -14,7 +14,11 @@
 # first, e.g. LOAD_TAG=-hold0 LOAD_SERVER_ARGS=--codec-hold-ms=0); LOAD_PROFILE=SECONDS samples the core and the API workers with
 # py-spy from .whl/tools in each window: benchmarks/profiling.py), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
-# SOAK_UTTERANCES, SOAK_CONCURRENCY), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
+# SOAK_UTTERANCES, SOAK_CONCURRENCY), hostile (good clients at 20 req/s of 1.7B-CustomVoice through `serve` beside
+# every kind of hostile client, one SIGKILL of the engine core under load, then every gauge back to 0:
+# benchmarks/hostile.py; HOSTILE_DURATION seconds of arrivals, default 3600; HOSTILE_RATE, HOSTILE_MODEL,
+# HOSTILE_CONCURRENCY, HOSTILE_ARGS (more options, e.g. "--workers 2") and HOSTILE_TAG (suffixes the reports' names)
+# override it), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
 # TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat; TURN_MODELS,
 # TURN_ARGS and TURN_TAG override the models, add options and suffix the report's name), prefix-ab (one
@@ -23,7 +27,11 @@
 # STARTUP_CASES picks them, `profiled` adds a warm start sampled by py-spy from .whl/tools, STARTUP_CACHE_ROOT
 # keeps each case's caches there),
 # ray-install (Ray Serve from .whl/ray into .ray-site/: a call of its own that carries .whl/ray only, see
-# benchmarks/fetch_ray_wheels.sh) and ray-2gpu (on nvidia-h200-x2, in a later call to the same warm machine:
+# benchmarks/fetch_ray_wheels.sh), ray-1gpu (in a later call to the same warm machine: two replicas of synthetic:0.6b
+# sharing its one GPU, half a GPU each (slots by their share of its memory), beside plain `serve`, at 1, 20 and 40 req/s over the WebSocket
+# and 20 req/s over HTTP; RAY_WINDOW sets the window seconds; RAY_REPLICA_COUNTS="serve" the baseline alone, "2" the
+# replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
+# are SIGKILLed: benchmarks/ray_faults.py) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
@@ -138,6 +146,14 @@ for stage in "$@"; do
       official -m benchmarks.soak --model synthetic:0.6b --device cuda --utterances ${SOAK_UTTERANCES:-10000} \
         --concurrency ${SOAK_CONCURRENCY:-64} --max-streams 64 --frames 12 --max-rss-growth-mb 50 \
         --out "$out/soak-gpu.json" 2>&1 | tee "$out/soak.log" ;;
+    hostile)
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      model=${HOSTILE_MODEL:-synthetic:1.7b-customvoice}
+      checkpoint "$model" > /dev/null
+      official -m benchmarks.hostile --model "$model" --duration "${HOSTILE_DURATION:-3600}" --rate "${HOSTILE_RATE:-20}" \
+        --frames 100 --clients 8 --hostile-concurrency "${HOSTILE_CONCURRENCY:-4}" --hostile-pause 0.5 ${HOSTILE_ARGS:-} \
+        --server-log "$out/serve-hostile${HOSTILE_TAG:-}.log" --out "$out/hostile${HOSTILE_TAG:-}.json" 2>&1 \
+        | tee "$out/hostile${HOSTILE_TAG:-}.log" ;;
     turn-latency)
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       [ -f /tmp/official/pipecat/__init__.py ] || $install --target /tmp/official .whl/pipecat/*.whl \
@@ -171,6 +187,36 @@ for stage in "$@"; do
         ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= LOAD_COMMON="--clients 8 --warmup 5 --duration 30 --frames 100" \
         bash benchmarks/ray_scaling.sh "$out/ray-2gpu" "${RAY_LOAD1:---held 128 --rates 24}" "${RAY_LOAD2:---held 256 --rates 48}" \
         2>&1 | tee "$out/ray-2gpu.log" ;;
+    ray-1gpu)
+      # two replicas sharing this one GPU (half a GPU each, slots by their share of its memory) beside plain `serve`,
+      # same load; RAY_SERVE_ARGS adds serve-ray options;
+      # RAY_REPLICA_COUNTS="serve" runs the baseline alone (no Ray needed), "2" the replicas alone
+      counts=${RAY_REPLICA_COUNTS:-serve 2}
+      if [[ $counts == *[0-9]* ]]; then
+        [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+      fi
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=0.5 NUM_CPUS=4 \
+        ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= REPLICA_COUNTS="$counts" SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
+        LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
+        bash benchmarks/ray_scaling.sh "$out/ray-1gpu" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
+        2>&1 | tee -a "$out/ray-1gpu.log" ;;
+    ray-1gpu-faults)
+      # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process
+      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
+        python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --replicas 2 --num-gpus 0.5 --num-cpus 4 \
+          --engine-core process ${RAY_SERVE_ARGS:-} --port 18201 --max-queued 100000 --queue-timeout 60 \
+          --max-sessions 100000 --log-level warning > "$out/serve-ray-faults.log" 2>&1 &
+        server=$!
+        for _ in $(seq 600); do curl -sf http://127.0.0.1:18201/ready > /dev/null && break; sleep 1; done
+        python3 -m benchmarks.ray_faults faults --url ws://127.0.0.1:18201 --rate ${RAY_FAULT_RATE:-20} \
+          --duration ${RAY_FAULT_WINDOW:-45} --kill-core-at 10 --kill-replica-at 25 --settle 10 --out "$out/ray-1gpu-faults.json" \
+          2>&1 | tail -60 | tee "$out/ray-1gpu-faults.log"
+        kill -INT $server; wait $server ) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

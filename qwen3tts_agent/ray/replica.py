@@ -104,11 +104,7 @@ class EngineReplica:
     def _load_engine(self) -> Any:
         """The app's engine factory (run on a worker thread by the app's start-up)."""
         s = self._settings
-        engine_kwargs: dict[str, Any] = {"max_streams": s.max_streams, "backend": s.backend}
-        if s.codec_hold_ms is not None:
-            engine_kwargs["codec_hold_s"] = s.codec_hold_ms / 1000
-        if s.step_period_ms is not None:
-            engine_kwargs["step_period_s"] = s.step_period_ms / 1000
+        engine_kwargs = s.engine_kwargs()
         if s.engine_core == "thread":
             from ..engine.engine import Engine
 

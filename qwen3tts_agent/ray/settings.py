@@ -41,7 +41,8 @@ class RayServeSettings:
         look_back_period_s: the window over which the autoscaler averages ongoing requests (Serve's default).
         upscale_delay_s, downscale_delay_s: how long the autoscaler's decision must hold before it adds or
             removes replicas (Serve's defaults).
-        num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster).
+        num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster). Below one
+            GPU, replicas share a GPU and each engine's slots fit that share of its memory (`device_share`).
         max_ongoing_requests: Serve's cap on a replica's ongoing requests (None: room for every session
             and queued utterance the server's own limits allow, so those limits answer first, in their shape).
         max_queued_requests: requests a Serve proxy holds while every replica is at `max_ongoing_requests`;
@@ -113,6 +114,18 @@ class RayServeSettings:
         for name in ("health_check_period_s", "health_check_timeout_s", "routing_stats_period_s", "look_back_period_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What each replica's engine is built with (`Engine.load`'s keyword arguments). Replicas below one GPU
+        share it: Ray splits its compute, not its memory, so each engine's slots fit its share (`device_share`)."""
+        kwargs: dict[str, Any] = {"max_streams": self.max_streams, "backend": self.backend}
+        if 0.0 < self.num_gpus < 1.0:
+            kwargs["device_share"] = self.num_gpus
+        if self.codec_hold_ms is not None:
+            kwargs["codec_hold_s"] = self.codec_hold_ms / 1000
+        if self.step_period_ms is not None:
+            kwargs["step_period_s"] = self.step_period_ms / 1000
+        return kwargs
 
     @property
     def replica_ongoing_limit(self) -> int:
