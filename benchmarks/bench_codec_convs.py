@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from qwen3tts_agent.engine import codec as codec_module
-from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode
+from qwen3tts_agent.engine.audio import GraphedCodecDecode
+from qwen3tts_agent.engine.audio import codec as codec_module
 from qwen3tts_agent.models.loading import load_official_model
 
 STREAMS, FRAMES = 32, 8

@@ -24,8 +24,8 @@ import torch
 from benchmarks.bench_codec_convs import median_ms
 from benchmarks.bench_engine import log
 from qwen3tts_agent import Engine
-from qwen3tts_agent.engine.cuda_graphs import split_frames
-from qwen3tts_agent.engine.requests import scheduled_chunk
+from qwen3tts_agent.engine.runner import split_frames
+from qwen3tts_agent.engine.scheduler.requests import scheduled_chunk
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE
 from qwen3tts_agent.models.loading import load_official_model
 

@@ -58,7 +58,7 @@ def log(msg: str) -> None:
 
 def build_layers(model: Model, count: int, dtype: torch.dtype, device: torch.device) -> list[Any]:
     """Official decoder layers (talker or predictor class) with random weights and norm gains."""
-    from qwen3tts_agent.engine.layers import FusedDecoderLayer
+    from qwen3tts_agent.engine.runner.layers import FusedDecoderLayer
     from qwen3tts_agent.models.compat import import_qwen_tts
 
     import_qwen_tts()
@@ -99,7 +99,7 @@ class Step:
 
 def make_step(model: Model, b: int, read_len: int, max_len: int, dtype: torch.dtype, device: torch.device) -> Step:
     """Row 0 writes the last key it reads, the others somewhere before, and with b > 1 the last row is inactive."""
-    from qwen3tts_agent.engine.layers import rope_tables
+    from qwen3tts_agent.engine.runner.layers import rope_tables
 
     write_pos = torch.randint(0, read_len, (b, 1), device=device)
     write_pos[0] = read_len - 1

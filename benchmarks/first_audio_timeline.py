@@ -25,8 +25,7 @@ import torch
 from benchmarks.bench_engine import log, profile_kernels
 from benchmarks.loop_timeline import chrome_trace, gpu_events
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder
-from qwen3tts_agent.engine.cuda_graphs import GraphedCodecDecode
+from qwen3tts_agent.engine.audio import GraphedCodecDecode, StreamingCodecDecoder
 from qwen3tts_agent.models.loading import load_official_model
 
 TEXT = "Hello there, how can I help you today?"

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen3tts_agent.engine.codec_queue import CodecQueue
-from qwen3tts_agent.engine.requests import ChunkPlan, PromptShape, RequestState
+from qwen3tts_agent.engine.scheduler import ChunkPlan, CodecQueue, PromptShape, RequestState
 from qwen3tts_agent.engine.types import TextLayout
 
 HOLD_S = 0.05

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder, _phase_split_conv
-from qwen3tts_agent.engine.cuda_graphs import split_frames
+from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, _phase_split_conv
+from qwen3tts_agent.engine.runner import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
 TOLERANCE = 1e-5

@@ -22,7 +22,7 @@ from qwen3tts_agent.backends.cpu.codec import CpuCodecDecoder
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.backends.cpu.store import conversion_folder, prepare
 from qwen3tts_agent.engine.runner import ModelRunner, PrefillRow
-from qwen3tts_agent.engine.sampling import gumbel_noise_at, uniform_noise
+from qwen3tts_agent.engine.runner.sampling import gumbel_noise_at, uniform_noise
 from tests.engine_helpers import (
     REF_TEXT,
     TEXT,

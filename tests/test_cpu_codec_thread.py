@@ -15,9 +15,9 @@ import torch
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
-from qwen3tts_agent.engine.audio import AudioPipeline, CodecThread, cpu_thread_split
+from qwen3tts_agent.engine.audio.pipeline import AudioPipeline, CodecThread, cpu_thread_split
 from qwen3tts_agent.engine.messages import PromptSpec
-from qwen3tts_agent.engine.requests import ChunkPlan, PromptShape, RequestState
+from qwen3tts_agent.engine.scheduler import ChunkPlan, PromptShape, RequestState
 from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio, xvector_voice
 from tests.test_codec_streaming import tiny_decoder
 

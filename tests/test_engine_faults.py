@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.engine.requests import runaway_frame_limit
+from qwen3tts_agent.engine.scheduler.requests import runaway_frame_limit
 from qwen3tts_agent.errors import EngineDeadError, EngineNotReadyError, InvalidTextError
 from tests.engine_helpers import TEXT, engine_for, reference_audio, xvector_voice
 

@@ -12,10 +12,8 @@ import torch
 import zmq
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
-from qwen3tts_agent.engine import ipc
-from qwen3tts_agent.engine.client import EngineClient
-from qwen3tts_agent.engine.core_server import cpu_pool_default
-from qwen3tts_agent.engine.process import CoreLaunch, EngineProcess
+from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, ipc
+from qwen3tts_agent.engine.process.core_server import cpu_pool_default
 from qwen3tts_agent.errors import (
     EngineDeadError,
     EngineNotReadyError,

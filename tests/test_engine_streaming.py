@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from qwen3tts_agent import Engine, SamplingParams, TextLayout, Voice
-from qwen3tts_agent.engine.text import IncrementalText, TextTokenizer
+from qwen3tts_agent.engine.frontend import IncrementalText, TextTokenizer
 from qwen3tts_agent.errors import (
     EngineOverloadedError,
     InvalidReferenceAudioError,

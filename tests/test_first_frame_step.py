@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from qwen3tts_agent import SamplingParams, Voice
-from qwen3tts_agent.engine import device_load
-from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS, STEP_CLOCK_LOAD
+from qwen3tts_agent.engine.frontend.engine import FIRST_FRAME_SLOTS, STEP_CLOCK_LOAD
+from qwen3tts_agent.engine.scheduler import device_load
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"

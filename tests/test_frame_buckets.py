@@ -6,7 +6,7 @@ import bisect
 
 import pytest
 
-from qwen3tts_agent.engine.cuda_graphs import FINE_BUCKETS_FROM, frame_batch_buckets
+from qwen3tts_agent.engine.runner.cuda_graphs import FINE_BUCKETS_FROM, frame_batch_buckets
 
 
 @pytest.mark.parametrize("limit", [1, 5, 64, 65, 100, 256, 300, 512])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qwen3tts_agent import Engine, SamplingParams, TextLayout, Voice
-from qwen3tts_agent.engine.voices import MIN_REFERENCE_SECONDS, TRIM_SEARCH_S, trim_reference
+from qwen3tts_agent.engine.frontend.voices import MIN_REFERENCE_SECONDS, TRIM_SEARCH_S, trim_reference
 from qwen3tts_agent.errors import InvalidRequestError
 from tests.engine_helpers import (
     REF_TEXT,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.engine.prefixes import PrefixCache
+from qwen3tts_agent.engine.runner.prefixes import PrefixCache
 from qwen3tts_agent.kernels import common
 from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio
 

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from qwen3tts_agent import SamplingParams, Voice
-from qwen3tts_agent.engine.sampling import (
+from qwen3tts_agent.engine.runner.sampling import (
     SamplerRows,
     apply_repetition_penalty,
     gumbel_noise,

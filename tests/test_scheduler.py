@@ -5,17 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen3tts_agent.engine.device_load import FIRST_FRAME_PAUSE_S, LATE_CHUNKS_TO_SHED, LATE_WINDOW_S
-from qwen3tts_agent.engine.pacer import StepPacer
-from qwen3tts_agent.engine.requests import (
+from qwen3tts_agent.engine.scheduler import Scheduler, StepPacer
+from qwen3tts_agent.engine.scheduler.device_load import (
+    FIRST_FRAME_PAUSE_S,
+    LATE_CHUNKS_TO_SHED,
+    LATE_WINDOW_S,
+)
+from qwen3tts_agent.engine.scheduler.requests import (
     FRAME_SECONDS,
     URGENT_SLACK_S,
     PromptShape,
     RequestState,
     runaway_frame_limit,
 )
-from qwen3tts_agent.engine.scheduler import Scheduler
-from qwen3tts_agent.engine.step_timing import (
+from qwen3tts_agent.engine.scheduler.step_timing import (
     EARLY_HOLD_MARGIN_S,
     PACE_MARGIN_S,
     first_frame_in_flight,
@@ -668,7 +671,7 @@ def test_a_nearly_full_engine_makes_room_in_the_first_frame_slots_for_the_next_a
     moves a stream out of its first-frame slot into the freed one, and the arrival takes the first-frame slot
     at once: a stream that nothing queued on the device may still write first (copied on the prompts' lane),
     else one with a text feed or a frame in flight (copied behind them on the steps' stream)."""
-    from qwen3tts_agent.engine.scheduler import SlotMove
+    from qwen3tts_agent.engine.scheduler.scheduler import SlotMove
 
     scheduler = make_scheduler(max_slots=6, max_prefill_rows=8, first_frame_slots=2)
     light = [make_request(f"light{i}") for i in range(2)]
@@ -760,7 +763,7 @@ def test_first_frame_slots_wait_for_their_load(stepping: int, first_frame: bool)
 def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_pause_ends() -> None:
     """A full device: a first-frame step of a few rows costs nearly a batched step, so for FIRST_FRAME_PAUSE_S
     after a chunk left late new streams neither take a first-frame slot nor have room made there for them."""
-    from qwen3tts_agent.engine.requests import ChunkPlan
+    from qwen3tts_agent.engine.scheduler import ChunkPlan
 
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _, busy = _under_load(scheduler)
@@ -785,7 +788,7 @@ def test_after_a_late_chunk_new_streams_step_in_the_batched_steps_until_the_paus
 
 
 def test_a_released_slot_is_free_again_only_once_the_steps_that_may_hold_it_completed() -> None:
-    from qwen3tts_agent.engine.slots import SlotPool
+    from qwen3tts_agent.engine.scheduler.slots import SlotPool
 
     pool = SlotPool(4)
     assert [pool.take_lowest() for _ in range(2)] == [0, 1]

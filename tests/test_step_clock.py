@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from qwen3tts_agent import SamplingParams
-from qwen3tts_agent.engine.engine import STEP_CLOCK_LOAD
+from qwen3tts_agent.engine.frontend.engine import STEP_CLOCK_LOAD
 from tests.engine_helpers import engine_for, on_batched_launch, xvector_voice
 
 TEXT = "Hello there, how can I help you today?"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.codec import StreamingCodecDecoder
+from ..engine.audio import StreamingCodecDecoder
 from ..engine.runner import ModelRunner
 from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule

@@ -55,7 +55,7 @@ def connect_to_core(address: str, failure_file: Path) -> Any:
     """An `EngineClient` of the core once it serves (one connection, so every worker connects the moment the
     core binds); EngineNotReadyError as soon as its start failed (the supervisor wrote `failure_file`), so a
     worker stops waiting and `serve` exits instead of hanging."""
-    from ..engine.client import EngineClient
+    from ..engine.process import EngineClient
 
     def failed() -> str | None:
         return failure_file.read_text() if failure_file.exists() else None

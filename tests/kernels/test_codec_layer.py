@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder, _History, _rotate
-from qwen3tts_agent.engine.codec_transformer import support as fused_support
+from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, _History, _rotate
 from qwen3tts_agent.kernels import codec_layer
+from qwen3tts_agent.kernels.codec_layer import supports_transformer as fused_support
 from qwen3tts_agent.models.compat import import_qwen_tts
 from tests.test_codec_streaming import TOLERANCE, tiny_decoder
 

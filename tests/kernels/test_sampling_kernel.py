@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from qwen3tts_agent.engine.sampling import (
+from qwen3tts_agent.engine.runner.sampling import (
     SamplerRows,
     apply_repetition_penalty,
     gumbel_noise_at,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.codec import StreamingCodecDecoder
+from ...engine.audio import StreamingCodecDecoder
 from ...models.compat import OfficialModule
 
 # Output steps up to which a convolution runs as a GEMM (benchmarks/bench_cpu.py --codec-convs measured where

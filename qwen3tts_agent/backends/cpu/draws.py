@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...engine.sampling import (
+from ...engine.runner import (
     PCG_INCREMENT,
     PCG_MULTIPLIER,
     PCG_WORD_MULTIPLIER,

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.runner import ModelRunner, PrefillRow
-from ...engine.sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty
+from ...engine.runner import DEFAULT_TOP_K_CAP, ModelRunner, PrefillRow, SamplerRows, apply_repetition_penalty
 from ...models.compat import OfficialModule
 from .draws import Sampler
 from .session import BoundSession, SpareCores
