@@ -1,4 +1,4 @@
-"""Time the codec's dilated convolutions directly and split into phases (`codec._phase_split_conv`).
+"""Time the codec's dilated convolutions directly and split into phases (`codec.phase_split_conv`).
 
 For every dilated convolution of the speech decoder, at the input shapes of a 32-stream × 8-frame streaming
 decode: cuDNN's direct dilated convolution against the same convolution run undilated over the dilation's
@@ -79,8 +79,8 @@ def main() -> None:
         conv = module.conv
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         direct = median_ms(lambda conv=conv, x=x: conv(x))
-        split = median_ms(lambda conv=conv, x=x: codec_module._phase_split_conv(conv, x))
-        gap = float((conv(x).float() - codec_module._phase_split_conv(conv, x).float()).abs().max())
+        split = median_ms(lambda conv=conv, x=x: codec_module.phase_split_conv(conv, x))
+        gap = float((conv(x).float() - codec_module.phase_split_conv(conv, x).float()).abs().max())
         row = {"channels": conv.in_channels, "dilation": conv.dilation[0], "input": list(shape),
                "direct_ms": direct, "phase_split_ms": split, "max_abs_diff_bf16": gap}
         convs.append(row)

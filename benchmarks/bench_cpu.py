@@ -147,11 +147,11 @@ def _ort_micro(weights, xs, threads: int, record) -> dict[str, object]:
     import onnx
     from onnx import TensorProto, helper
 
-    from qwen3tts_agent.backends.cpu.graphs import _GraphBuilder, _model
+    from qwen3tts_agent.backends.cpu.graphs import GraphBuilder, onnx_model
     from qwen3tts_agent.backends.cpu.session import BoundSession
 
     for fmt, bytes_per_weight in (("int8", 1.03), ("fp32", 4)):
-        g = _GraphBuilder(fmt)
+        g = GraphBuilder(fmt)
         outputs = []
         for ws in weights:
             for w in ws:
@@ -160,7 +160,7 @@ def _ort_micro(weights, xs, threads: int, record) -> dict[str, object]:
         inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k]) for k in xs]
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "micro.onnx"
-            onnx.save(_model(helper.make_graph(g.nodes, "micro", inputs, outputs, g.initializers)), str(path),
+            onnx.save(onnx_model(helper.make_graph(g.nodes, "micro", inputs, outputs, g.initializers)), str(path),
                       save_as_external_data=True, location="micro.data")
             session = BoundSession(path, threads)
             feeds = {f"x{k}": v.numpy() for k, v in xs.items()}

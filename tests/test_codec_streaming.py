@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, _phase_split_conv
+from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, phase_split_conv
 from qwen3tts_agent.engine.runner import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
@@ -234,7 +234,7 @@ def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kerne
     conv = torch.nn.Conv1d(channels, out, kernel, dilation=dilation).double()
     x = torch.randn(3, channels, length, dtype=torch.double)
     with torch.no_grad():
-        expected, got = conv(x), _phase_split_conv(conv, x)
+        expected, got = conv(x), phase_split_conv(conv, x)
     assert got.shape == expected.shape and got.is_contiguous()
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
 

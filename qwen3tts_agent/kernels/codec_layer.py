@@ -9,7 +9,7 @@ three kernels replace those elementwise chains; the products stay cuBLAS GEMMs a
 - `rms_norm`: the official `Qwen3TTSTokenizerV2DecoderRMSNorm`, one program per row.
 - `rope_window`: per (batch row, head): RoPE of the new queries and keys from the fused q/k/v projection,
   and each key/value head's window [slot's history, new rows], whose newest rows then replace the history
-  in place (the slot's state, as `engine.codec._History` keeps it).
+  in place (the slot's state, as `engine.audio.codec.SlotHistory` keeps it).
 - `silu_mul`: SiLU(gate) · up of the fused gate/up projection.
 
 Each intermediate is rounded to the model dtype where PyTorch's kernels store it, fp32 products are not

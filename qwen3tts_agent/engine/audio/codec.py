@@ -38,7 +38,7 @@ from ..runner import upload
 from .codec_transformer import FusedCodecTransformer
 
 
-class _History:
+class SlotHistory:
     """The most recent input steps of one causal op, per slot, along time dimension `dim`."""
 
     def __init__(self, buffer: torch.Tensor, dim: int) -> None:
@@ -56,7 +56,7 @@ class _History:
         return full
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as the official `apply_rotary_pos_emb` (rotate-half layout); x [B, H, T, D], cos/sin [B, 1, T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -64,11 +64,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 # Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
-# (`_phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/bench_codec_convs.py).
+# (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/bench_codec_convs.py).
 PHASE_SPLIT_MIN_DILATION = 9
 
 
-def _phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases.
 
     Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
@@ -117,20 +117,20 @@ class StreamingCodecDecoder:
         self.samples_per_frame = int(decoder.total_upsample)
         self._window = int(config.sliding_window)
 
-        self._convs: dict[nn.Module, _History] = {}
+        self._convs: dict[nn.Module, SlotHistory] = {}
         for module in decoder.modules():
             conv = getattr(module, "conv", None)
             if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
-                self._convs[module] = _History(
+                self._convs[module] = SlotHistory(
                     self._zeros(conv.in_channels, self._conv_history(conv)), dim=-1
                 )
 
         transformer = decoder.pre_transformer
-        self._kv: list[tuple[_History, _History]] = []
+        self._kv: list[tuple[SlotHistory, SlotHistory]] = []
         for layer in transformer.layers:
             attn = layer.self_attn
             shape = (attn.k_proj.out_features // attn.head_dim, self._window - 1, attn.head_dim)
-            self._kv.append((_History(self._zeros(*shape), dim=2), _History(self._zeros(*shape), dim=2)))
+            self._kv.append((SlotHistory(self._zeros(*shape), dim=2), SlotHistory(self._zeros(*shape), dim=2)))
         self._positions = torch.zeros(max_streams, dtype=torch.long, device=self.device)
         self._fused: FusedCodecTransformer | None = None
         support = (
@@ -215,7 +215,7 @@ class StreamingCodecDecoder:
         torch._foreach_copy_([h.buffer[slot] for h in self._histories()], buffers)  # one launch, not one per buffer
         self._positions[slot].copy_(position)
 
-    def _histories(self) -> list[_History]:
+    def _histories(self) -> list[SlotHistory]:
         return [*self._convs.values(), *itertools.chain.from_iterable(self._kv)]
 
     @torch.no_grad()
@@ -294,7 +294,7 @@ class StreamingCodecDecoder:
         history = self._convs[module]
         conv = module.conv
         full = history.extend(slots, x)
-        y = _phase_split_conv(conv, full) if module in self._phase_split else conv(full)
+        y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
         if isinstance(conv, nn.ConvTranspose1d):
             # Outputs of the history samples are already out; those past the chunk wait for the next input.
             stride = conv.stride[0]
@@ -343,12 +343,12 @@ class StreamingCodecDecoder:
         sin: torch.Tensor,
         mask: torch.Tensor,
         slots: torch.Tensor,
-        kv: tuple[_History, _History],
+        kv: tuple[SlotHistory, SlotHistory],
     ) -> torch.Tensor:
         batch, frames, _ = x.shape
         shape = (batch, frames, -1, attn.head_dim)
-        query = _rotate(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
-        key = _rotate(attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2), cos, sin)
+        query = rotate_rope(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
+        key = rotate_rope(attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2), cos, sin)
         value = attn.v_proj(x).view(shape).transpose(1, 2)
         key = kv[0].extend(slots, key)
         value = kv[1].extend(slots, value)
