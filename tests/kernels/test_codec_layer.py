@@ -25,7 +25,7 @@ from qwen3tts_agent.engine.audio.codec import SlotHistory, StreamingCodecDecoder
 from qwen3tts_agent.kernels import codec_layer
 from qwen3tts_agent.kernels.codec_layer import supports_transformer as fused_support
 from qwen3tts_agent.models.compat import import_qwen_tts
-from tests.test_codec_streaming import TOLERANCE, tiny_decoder
+from tests.engine.audio.test_codec_streaming import TOLERANCE, tiny_decoder
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 

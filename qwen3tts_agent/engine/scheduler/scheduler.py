@@ -2,7 +2,7 @@
 
 The core (`engine/core.py`) asks the scheduler what to do, does it on the device, and reports back what
 came out (a step's codes and end flags, a prefill's length, a chunk delivered). Everything here is plain
-Python over host-side request state, so `tests/test_scheduler.py` drives it with made-up step outputs.
+Python over host-side request state, so `tests/engine/scheduler/test_scheduler.py` drives it with made-up step outputs.
 
 Deadlines. A client plays a stream from its first chunk on, in real time, so once the first chunk has
 left, the next chunk is needed by `first_audio + delivered_frames * 80 ms`. The time left until then is

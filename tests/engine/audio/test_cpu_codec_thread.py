@@ -18,8 +18,8 @@ from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.engine.audio.pipeline import AudioPipeline, CodecThread, cpu_thread_split
 from qwen3tts_agent.engine.messages import PromptSpec
 from qwen3tts_agent.engine.scheduler import ChunkPlan, PromptShape, RequestState
+from tests.engine.audio.test_codec_streaming import tiny_decoder
 from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio, xvector_voice
-from tests.test_codec_streaming import tiny_decoder
 
 CODEC_THREAD = "qwen3tts-codec"
 TEXTS = [TEXT, "A second stream, beside the first.", "And a third one, after them."]

@@ -3,7 +3,7 @@ first frame does not wait for it, a paced step waits while a new stream's first 
 `first_audio_alone` any step that carries no first frame), and no stream's codes or audio change.
 
 Each stream's audio is one chunk here, so no stream has a chunk deadline while it steps and the clock is never
-released early for one (`Scheduler.pace_release`, tested in tests/test_scheduler.py)."""
+released early for one (`Scheduler.pace_release`, tested in tests/engine/scheduler/test_scheduler.py)."""
 
 from __future__ import annotations
 
