@@ -25,18 +25,21 @@ def _run(code: str) -> str:
     return proc.stdout
 
 
-def test_every_module_of_the_package_imports() -> None:
-    failures = _run(
-        "import importlib, pkgutil, qwen3tts_agent\n"
-        "failed = []\n"
-        "for module in pkgutil.walk_packages(qwen3tts_agent.__path__, 'qwen3tts_agent.'):\n"
-        "    try:\n"
-        "        importlib.import_module(module.name)\n"
-        "    except Exception as exc:\n"
-        "        failed.append(f'{module.name}: {type(exc).__name__}: {exc}')\n"
-        "print('\\n'.join(failed))\n"
-    )
-    assert failures.strip() == ""
+IMPORT_EVERY_MODULE = """
+import importlib, pkgutil, benchmarks, qwen3tts_agent
+failed = []
+for package in (qwen3tts_agent, benchmarks):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        try:
+            importlib.import_module(module.name)
+        except Exception as exc:
+            failed.append(f"{module.name}: {type(exc).__name__}: {exc}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_module_of_the_package_and_every_benchmark_imports() -> None:
+    assert _run(IMPORT_EVERY_MODULE).strip() == ""
 
 
 def test_the_scheduler_and_the_shared_types_import_no_torch() -> None:

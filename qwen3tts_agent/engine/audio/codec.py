@@ -64,7 +64,7 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 # Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
-# (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/bench_codec_convs.py).
+# (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/kernels/bench_codec_convs.py).
 PHASE_SPLIT_MIN_DILATION = 9
 
 
