@@ -131,7 +131,7 @@ def test_fp32_batched_streams_match_single_streams() -> None:
 # ----------------------------------------------------------------- the draws between the graph calls
 class _RecordedRunner(CpuRunner):
     """The frame as `CpuRunner` ran it before `backends.cpu.draws`: the same graph calls, then `ModelRunner`'s
-    own bookkeeping and `engine.sampling.sample` (the reference the fewer ops must equal, bit for bit)."""
+    own bookkeeping and `engine.runner.sampling.sample` (the reference the fewer ops must equal, bit for bit)."""
 
     def predict_codes(self, b: int, sampling: bool = True) -> None:
         for code in range(1, self.num_groups):

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice, VoicePrompt
-from qwen3tts_agent.engine.frontend.voices import trim_reference
+from qwen3tts_agent.engine.frontend import trim_reference
 from qwen3tts_agent.reference import demo_reference
 
 # An agent's reply: a short first sentence, then numbers, names and clauses; long enough (101 tokens) to

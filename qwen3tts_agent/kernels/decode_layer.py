@@ -72,7 +72,7 @@ MAX_HEAD_DIM = 256
 class DecoderLayerWeights(Protocol):
     """What `decode_layer` reads of a layer: its sizes and its weights, rearranged for the decode path.
 
-    `engine.layers.FusedDecoderLayer` is one: w_qkv is [q; k; v] and w_gate_up [gate; up], both contiguous.
+    `engine.runner.layers.FusedDecoderLayer` is one: w_qkv is [q; k; v] and w_gate_up [gate; up], both contiguous.
     """
 
     head_dim: int

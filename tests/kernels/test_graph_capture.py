@@ -1,5 +1,5 @@
 """`GraphCapture` on a GPU: a graph is captured with cuDNN's attention left out of
-`scaled_dot_product_attention`'s choice (`engine/cuda_graphs.py` says why), its replay gives the same
+`scaled_dot_product_attention`'s choice (`engine/runner/cuda_graphs.py` says why), its replay gives the same
 attention as an eager call, and the choice is the caller's again once the capture is done. A capture that
 fails without its eager run gets one and a valid graph; two families captured at once on two threads
 (`capture_beside`) replay what eager calls compute. The frame graphs, captured after one eager frame step per

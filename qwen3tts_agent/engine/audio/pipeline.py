@@ -3,7 +3,7 @@
 Decoding runs on CUDA streams of its own (when there is a GPU), so a large decode fills the gaps between
 frame steps instead of delaying them: the codec lane runs at a lower priority than the steps. A stream's
 first two chunks (its first audio, and the chunk due one frame's playing time after it) take the *early
-lane*, above the steps' priority, with graphs and scratch rows of its own (`engine/lanes.py`): they never
+lane*, above the steps' priority, with graphs and scratch rows of its own (`engine/runner/lanes.py`): they never
 queue behind the long chunks of streams already playing, nor behind a step's kernels. The codec lane waits
 for the early lane's last decode, so a stream's later chunks follow its early ones.
 
@@ -13,7 +13,7 @@ Two things keep a new stream clear of the codec lane's queue:
   slot's previous owner that may still sit in the codec lane's queue. There are twice as many codec slots
   as engine slots, so a finished one is always at hand.
 - The codec lane holds at most `CODEC_LANE_DEPTH` decodes at a time. The rest wait on the host
-  (`CodecQueue`, `engine/codec_queue.py`) while their streams have audio to spare, so that one call decodes
+  (`CodecQueue`, `engine/scheduler/codec_queue.py`) while their streams have audio to spare, so that one call decodes
   many streams' chunks: the most urgent due chunk goes with every waiting chunk of its length (a stream's
   own chunks always in order).
 

@@ -27,10 +27,10 @@ class CoreConfig:
     top_k_cap: int = DEFAULT_TOP_K_CAP
     poll_interval_s: float = 0.0002  # the loop's wait on its message queue while the device works
     adapt_chunks: bool = True  # decode early for streams whose next chunk is nearly due (Scheduler)
-    prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/prefixes.py)
+    prefix_cache: bool = True  # keep voice prefixes' KV and copy them into new streams (engine/runner/prefixes.py)
     staged_prefill: bool = False  # with the prefix store, one-token text parts as the Triton decode step (Prefills)
     speculative_first_frame: bool = True  # a streamed text's first frame on its tentative second token (Scheduler)
-    codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/codec_queue.py)
+    codec_hold_s: float = 0.0  # how long a later chunk may wait to batch with other streams' (engine/scheduler/codec_queue.py)
     first_frame_slots: int = 0  # new streams' first frames in a step of their own under load (Scheduler); 0: off
     first_frame_load: int = 0  # ... from this many streams stepping
     step_period_s: float = 0.0  # under load, batched steps at most this often (StepPacer's clock); 0: off

@@ -4,13 +4,13 @@ Requests reach it only as typed messages (`engine/messages.py`) that it applies 
 answers only through an `OutputSink` (audio chunks, endings), so a cancel takes effect at the next frame
 boundary, a new request joins the running batch at the next step, and nothing here knows of streams,
 event loops or sockets. The same core runs on a thread of the caller's process (`Engine`) or in a
-process of its own (`engine/process.py`).
+process of its own (`engine/process/supervisor.py`).
 
 Each turn of the loop: apply messages; admit waiting requests and prefill their prompts on a lane of their
-own (so a new stream's prompt runs beside the step in flight, not behind it; `engine/prompt_lane.py`); feed
+own (so a new stream's prompt runs beside the step in flight, not behind it; `engine/core/prompt_lane.py`); feed
 newly final text; queue
 the frame steps now due and read the ones that completed, starting the decodes of the chunks that are due
-(`engine/launcher.py`); hand decoded audio out. The loop never blocks on the device while work is
+(`engine/core/launcher.py`); hand decoded audio out. The loop never blocks on the device while work is
 queued: it polls, waiting on its message queue in between, so a request that arrives is seen at once.
 
 Faults stay as small as they can: a bad message or a prompt that cannot be built fails its request only;
@@ -86,7 +86,7 @@ class EngineCore:
         self._sink = sink
         self.device = next(model.talker.parameters()).device
         self.prompts = PromptBuilder(model, role_ids)
-        # on a CPU the codec has a thread and cores of its own beside the frame steps (engine/audio.py); not
+        # on a CPU the codec has a thread and cores of its own beside the frame steps (engine/audio/pipeline.py); not
         # under Triton's interpreter (tests), which patches `triton.language` while it runs a kernel, so two
         # threads cannot interpret kernels at once
         self._step_threads, codec_threads = torch.get_num_threads(), 0
@@ -121,7 +121,7 @@ class EngineCore:
             first_frame_load=config.first_frame_load, pace_load=config.pace_load if config.step_period_s else 0,
             clock_first_frame_load=config.clock_first_frame_load,
         )
-        # Prompts run above the steps and the steps above the codec lane (engine/lanes.py), so codec work only
+        # Prompts run above the steps and the steps above the codec lane (engine/runner/lanes.py), so codec work only
         # fills the steps' gaps; the prompt lane is separate from the steps' stream, so a new prompt runs
         # beside the step in flight.
         self._step_stream: torch.cuda.Stream | None = None

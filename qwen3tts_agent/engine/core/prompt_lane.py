@@ -1,7 +1,7 @@
 """A turn's prompt work (`PromptLane`): new streams into slots, their prompts prefilled, newly final text fed.
 
-The core (`engine/core.py`) runs this each turn before it queues frame steps. On a GPU the work goes on a
-CUDA stream of its own, above the steps' priority (`engine/lanes.py`), so a new stream's prompt runs beside
+The core (`engine/core/core.py`) runs this each turn before it queues frame steps. On a GPU the work goes on a
+CUDA stream of its own, above the steps' priority (`engine/runner/lanes.py`), so a new stream's prompt runs beside
 the step in flight rather than behind it; the steps' stream then waits for it, so a slot's text length is
 never written out of order. Streams leaving first-frame slots for an arrival (`Scheduler.make_room`) are
 copied first: on the steps' stream behind any step that may still write the old slot, else on this lane.

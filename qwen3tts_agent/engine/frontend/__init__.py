@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .frontend import EngineFrontend, EngineStats, ModelInfo, error_from_info
 from .stream import SpeechStream
 from .text import IncrementalText, TextTokenizer, validate_text
-from .voices import AudioInput, load_voice, prepare_reference, save_voice
+from .voices import AudioInput, load_voice, prepare_reference, save_voice, trim_reference
 
 __all__ = [
     "AudioInput",
@@ -28,6 +28,7 @@ __all__ = [
     "load_voice",
     "prepare_reference",
     "save_voice",
+    "trim_reference",
     "validate_text",
 ]
 

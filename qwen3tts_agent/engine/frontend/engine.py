@@ -1,11 +1,11 @@
 """`Engine`: the streaming engine with its core on a thread of this process (notebooks, tests, Pipecat bots).
 
-The core (`engine/core.py`) owns the model and steps every live stream together; this class is its public
-side (validation, tokenization, streams: `engine/frontend.py`) plus the thread that runs it. If the core's
+The core (`engine/core/core.py`) owns the model and steps every live stream together; this class is its public
+side (validation, tokenization, streams: `engine/frontend/frontend.py`) plus the thread that runs it. If the core's
 loop dies, every open stream ends with `EngineDeadError`, new streams are refused with
 `EngineNotReadyError`, and a fresh core is started after a back-off, unless the device itself is at fault
 (then only a new process helps: `qwen3tts-agent serve` runs the core in a process of its own and restarts
-that). For serving many clients, see `engine/process.py`.
+that). For serving many clients, see `engine/process/supervisor.py`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ STEP_CLOCK_LOAD = 8
 FIRST_FRAME_STEP_LOAD = STEP_CLOCK_LOAD
 # From how many streams stepping at once new streams' first frames also wait for the step clock, and take no
 # first-frame slot (`clock_first_frame_load`): a device this full makes more frames a second in the clock's
-# fuller steps than in steps set off by every arrival (engine/scheduler.py; docs/performance.md has the runs).
+# fuller steps than in steps set off by every arrival (engine/scheduler/scheduler.py; docs/performance.md has the runs).
 GPU_CLOCK_FIRST_FRAME_LOAD = 96
 # The step clock's period on a GPU (`step_period_s`): streams at about 4x real time under load, which gives the
 # chunk schedule's early chunks room to spare (a 2-frame second chunk due 80 ms after the first: docs/gpu.md).
@@ -136,15 +136,15 @@ class Engine(EngineFrontend):
         (`auto_max_streams`). `shed_when_behind`: refuse new streams (EngineOverloadedError) while the engine runs behind real
         time, so admitted streams keep their audio flowing; default on a GPU, off on the CPU.
         `adapt_chunks`: a stream whose next chunk is nearly due gets its frames decoded at once instead of
-        in the next chunk of its schedule (see `engine/scheduler.py`); default on a GPU, off on the CPU,
+        in the next chunk of its schedule (see `engine/scheduler/scheduler.py`); default on a GPU, off on the CPU,
         where an engine near real time would otherwise cut most chunks short.
         `backend`: what runs the model maths: "auto" (the int8 CPU backend on a CPU, PyTorch with the Triton
         kernels on a GPU), "torch", "int8", "int4" or "fp32" (`qwen3tts_agent.backends`, docs/cpu-backend.md).
         `overlap_codec`: decode audio beside the frame steps: on a GPU on CUDA streams of their own (with an
         early lane for each stream's first two chunks), on a CPU on a thread of its own with a quarter of
-        the cores, the frame steps taking the rest (`engine/audio.py`). The codes are the same either way,
+        the cores, the frame steps taking the rest (`engine/audio/pipeline.py`). The codes are the same either way,
         the audio too (on a CPU to float rounding: PyTorch's kernels on fewer threads).
-        `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/prefixes.py`) so that a
+        `prefix_cache`: keep the keys and values of each voice's prompt head (`engine/runner/prefixes.py`) so that a
         stream of a voice seen before prefills only its text-dependent part; the audio is the same either
         way (the "torch" backend; the CPU backends prefill every head). `staged_prefill`: with the prefix
         cache and the Triton kernels, a one-token text part runs as the talker's Triton decode step in a
@@ -153,19 +153,19 @@ class Engine(EngineFrontend):
         `speculative_first_frame`: a stream whose text arrives in pieces runs its first frame on the second
         text token as the text stands, holding the audio until that token is final (and starting over in the
         rare case it changes), so the first frame does not wait for the third token; the audio that leaves is
-        that of the final text either way (`engine/scheduler.py`).
+        that of the final text either way (`engine/scheduler/scheduler.py`).
         `codec_hold_s`: how long a stream's later chunk may wait to be decoded in one codec call with other
-        streams' chunks, while its listener has audio to spare (`engine/codec_queue.py`); default
+        streams' chunks, while its listener has audio to spare (`engine/scheduler/codec_queue.py`); default
         `GPU_CODEC_HOLD_S` on a GPU, 0 (decode as soon as the codec has room) on the CPU.
         `first_frame_step_load`: from this many streams stepping at once, a new stream's first frame runs in
         a step of a few low slots of its own, right behind the step in flight, instead of waiting for that
         step and then a whole batched one, except for a while after a chunk left late (a full device), when new
-        streams step in the batched steps (`engine/scheduler.py`); the audio is the same either way. 0: never;
+        streams step in the batched steps (`engine/scheduler/scheduler.py`); the audio is the same either way. 0: never;
         None: `FIRST_FRAME_STEP_LOAD` on a GPU with the "torch" backend and over that many slots, else never.
         `step_period_s`: from `STEP_CLOCK_LOAD` streams stepping at once, a batched step starts at most this
         often, unless a stream's next chunk would be late or a new stream's first frame is in it, so streams
         run at about 80 ms / `step_period_s` times real time and the device keeps room between steps for new
-        streams' prompts, first frames and first chunks (`engine/pacer.py`); such a step also waits while a
+        streams' prompts, first frames and first chunks (`engine/scheduler/pacer.py`); such a step also waits while a
         new stream's first frame runs and its first chunk decodes (unless a stream's next chunk would then
         be late). The audio is the same either way. 0: steps go back to back; None: `GPU_STEP_PERIOD_S` on a
         GPU with the "torch" backend, else 0.

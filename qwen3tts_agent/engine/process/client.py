@@ -1,7 +1,7 @@
 """`EngineClient`: the engine's public API in a process that does not own the device.
 
 It has the same API as `Engine` (open_stream, streams, create_voice, stats, languages, speakers, ...),
-validates and tokenizes here like `Engine`, and talks to an engine-core process (`engine/process.py`)
+validates and tokenizes here like `Engine`, and talks to an engine-core process (`engine/process/supervisor.py`)
 over ZeroMQ. One I/O thread owns the socket: requests from any thread reach it through thread-local
 in-process sockets, and outputs it receives are handed to their streams.
 

@@ -3,7 +3,7 @@
 An `Engine` runs as usual; a `CoreServer` bridges a ROUTER socket to its core: requests from clients go to
 the core under ids prefixed by the client, and the core's outputs for those ids go back to that client. It
 also publishes the engine's stats every 250 ms (the clients' heartbeat), encodes reference voices for
-clients, and aborts the requests of a client that went silent. The supervisor's side is `engine/process.py`.
+clients, and aborts the requests of a client that went silent. The supervisor's side is `engine/process/supervisor.py`.
 """
 
 from __future__ import annotations

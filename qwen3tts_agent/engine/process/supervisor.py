@@ -2,9 +2,9 @@
 
 Following vLLM v1's shape: one process owns the device and runs the step loop; API workers (the
 WebSocket/HTTP server), Pipecat pipelines or benchmarks in other processes talk to it through
-`EngineClient` (`engine/client.py`) with typed request messages. The step loop therefore never shares an
+`EngineClient` (`engine/process/client.py`) with typed request messages. The step loop therefore never shares an
 interpreter lock with JSON, sockets, PCM encoding or resampling. What runs inside the process is
-`engine/core_server.py`; this module is the supervisor's side (`EngineProcess`), which imports no torch, so
+`engine/process/core_server.py`; this module is the supervisor's side (`EngineProcess`), which imports no torch, so
 `serve`'s supervisor process starts at once and holds no model memory. If the core's loop dies, the process
 exits, and `EngineProcess` starts a fresh one after a back-off.
 """

@@ -4,7 +4,7 @@ The core decides what to prefill and when (its scheduler). This builds a piece's
 runs a batch of pieces as the CUDA graph of its bucket (one-token pieces behind a stored head as the talker's
 Triton decode step in a staging cache, `StagingCache.prefill`; eagerly where no graph fits), and keeps
 each voice's just prefilled head, the part of a prompt that depends only on the voice, in the prefix store
-(`engine/prefixes.py`): a later stream of that voice copies the head's keys and values instead.
+(`engine/runner/prefixes.py`): a later stream of that voice copies the head's keys and values instead.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two decisions rest on it. New streams are refused (`overloaded`, the engine's `b
 takes too large a share of a frame's playing time, or while several chunks left after their listeners needed
 them a moment ago: admitted streams keep their audio flowing rather than every stream starving a little.
 And for `FIRST_FRAME_PAUSE_S` after a chunk left late, new streams take no first-frame slot
-(`first_frames_paused`; `engine/scheduler.py` says why).
+(`first_frames_paused`; `engine/scheduler/scheduler.py` says why).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the scheduler knows of one request: its prompt's shape, its progress, and the work planned for it.
 
-Plain host-side state (no tensors), owned by `Scheduler` (`engine/scheduler.py`) and read by the core.
+Plain host-side state (no tensors), owned by `Scheduler` (`engine/scheduler/scheduler.py`) and read by the core.
 """
 
 from __future__ import annotations

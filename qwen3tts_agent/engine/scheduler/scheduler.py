@@ -1,6 +1,6 @@
 """The engine's decisions, without tensors: who takes a slot, what to prefill, who steps, which audio to decode.
 
-The core (`engine/core.py`) asks the scheduler what to do, does it on the device, and reports back what
+The core (`engine/core/core.py`) asks the scheduler what to do, does it on the device, and reports back what
 came out (a step's codes and end flags, a prefill's length, a chunk delivered). Everything here is plain
 Python over host-side request state, so `tests/engine/scheduler/test_scheduler.py` drives it with made-up step outputs.
 
@@ -131,7 +131,7 @@ class Scheduler:
         self._prompting: dict[RequestState, None] = {}  # admitted, prompt body not prefilled yet
         self._new_text: dict[RequestState, None] = {}  # text, its end or a prefilled body since the last feed
         self.requests: dict[str, RequestState] = {}
-        self.slots = SlotPool(max_slots)  # free once no step in flight may hold them (engine/slots.py)
+        self.slots = SlotPool(max_slots)  # free once no step in flight may hold them (engine/scheduler/slots.py)
         self.load = DeviceLoad()  # the steps' times and the late chunks (refusals, first-frame pauses)
 
     # ----------------------------------------------------------------- requests

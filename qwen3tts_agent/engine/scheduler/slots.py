@@ -2,7 +2,7 @@
 
 A released slot may still be a live row of a step in flight, so it is reused only once that step has
 completed: a new request's set-up (on the prompts' lane) then never races the old request's frame. The
-pool counts the steps queued and completed to know (no tensors; `engine/scheduler.py` drives it).
+pool counts the steps queued and completed to know (no tensors; `engine/scheduler/scheduler.py` drives it).
 """
 
 from __future__ import annotations

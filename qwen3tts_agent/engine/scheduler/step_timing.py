@@ -1,6 +1,6 @@
 """When a frame step may wait, from the streams' deadlines (functions of request state alone; no tensors).
 
-Under load the step clock (`engine/pacer.py`) holds batched steps; these say until when a held step may
+Under load the step clock (`engine/scheduler/pacer.py`) holds batched steps; these say until when a held step may
 wait before a stream's next chunk would be late (`pace_release`), whether a new stream stepping in a
 first-frame slot can leave it for the batched steps (`settled`), and whether steps may yield the device to
 urgent audio decodes (`steps_can_wait`). `Scheduler` applies them at the device's recent step time.

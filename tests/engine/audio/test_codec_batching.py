@@ -1,7 +1,7 @@
 """Later chunks held for batched codec calls (`Engine(codec_hold_s=...)`) change no audio and lose no chunk.
 
 Streams start one after another, so their chunks are cut at different steps and wait in the codec queue for
-each other (`engine/codec_queue.py`). Each stream's codes and audio must be those it gets alone, its chunks
+each other (`engine/scheduler/codec_queue.py`). Each stream's codes and audio must be those it gets alone, its chunks
 must arrive in order and whole, and the engine's codec counters must account for every chunk.
 """
 

@@ -1,4 +1,4 @@
-"""The CPU's codec thread (`engine/audio.py`): on a CPU the codec's calls, slot set-ups included, run on a
+"""The CPU's codec thread (`engine/audio/pipeline.py`): on a CPU the codec's calls, slot set-ups included, run on a
 thread of their own beside the frame steps, and give the codes and audio of the codec on the loop's thread
 (`overlap_codec=False`); a decode that fails there fails its stream and the engine goes on. While the thread
 is idle the int8 graphs borrow its cores, with the same codes; a step waits for a first chunk near its end."""

@@ -1,5 +1,5 @@
 """Cached voice prefixes: a stream whose voice's prompt head is copied from the prefix store makes the same
-codes as one that prefills its whole prompt (engine/prefixes.py, ModelRunner.copy_prefix)."""
+codes as one that prefills its whole prompt (engine/runner/prefixes.py, ModelRunner.copy_prefix)."""
 
 from __future__ import annotations
 

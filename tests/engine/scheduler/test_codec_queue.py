@@ -1,4 +1,4 @@
-"""The codec lane's queue (`engine/codec_queue.py`): which waiting chunks go in one codec call, and when.
+"""The codec lane's queue (`engine/scheduler/codec_queue.py`): which waiting chunks go in one codec call, and when.
 
 Plain host objects (`RequestState`, `ChunkPlan`) with made-up clocks: no model, no tensors.
 """
