@@ -42,10 +42,11 @@ demo: setup
 test: setup system-packages
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q
 
-# ruff over everything; mypy over the package (its settings are in pyproject.toml)
+# ruff over everything; mypy over the package; the engine's import contracts (settings of both in pyproject.toml)
 lint: setup
 	$(VENV)/bin/ruff check qwen3tts_agent tests benchmarks examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) hello.wav

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download every wheel the GPU machine needs for benchmarks/peers.py and our engine.
+# Download every wheel the GPU machine needs for benchmarks/peers/peers.py and our engine.
 #
 # The GPU machine has no internet; its image has Python 3.12 (x86_64), torch 2.11, transformers 5.17
 # and many common packages. Wheels travel with the working tree under .whl/ (git-ignored), each one
@@ -8,12 +8,12 @@
 #   .whl/official/  our engine and the official baseline: qwen-tts 0.1.1 on transformers 4.57.3
 #   .whl/faster/    faster-qwen3-tts on qwen-tts-hf + transformers 5.16.1 (qwen-tts-hf breaks on 5.17+)
 #   .whl/common/    audio packages both need (librosa and the small deps the machine lacks)
-#   .whl/server/    the server stack and the engine-core link (serve, benchmarks/load.py): the machine has
+#   .whl/server/    the server stack and the engine-core link (serve, benchmarks/serving/load.py): the machine has
 #                   none of FastAPI, Starlette, uvicorn, websockets, pydantic or pyzmq
 #   .whl/tools/     py-spy, to sample where the engine thread's time goes under load (the 2026-11-30 runs)
-#   .whl/server/    the server's stack for benchmarks/soak.py (fastapi, uvicorn, websockets, pydantic, ...)
+#   .whl/server/    the server's stack for benchmarks/serving/soak.py (fastapi, uvicorn, websockets, pydantic, ...)
 #   .whl/pipecat/   Pipecat and the few packages its pipeline and TTS service import that the machine lacks
-#                   (benchmarks/turn_latency.py; on top of the official stack and the server's)
+#                   (benchmarks/serving/turn_latency.py; on top of the official stack and the server's)
 #
 # Install each stack into its own --target folder there (both import a package named qwen_tts):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

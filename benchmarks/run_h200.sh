@@ -4,26 +4,26 @@
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against
 # PyTorch), timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
-# and the one-frame codec graph: benchmarks/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
+# and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
-# budget-1.7b (the device time one 1.7B utterance costs a loaded engine, by part: benchmarks/bench_device_budget.py),
-# load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/load.py; LOAD_RATES, LOAD_HELD,
+# budget-1.7b (the device time one 1.7B utterance costs a loaded engine, by part: benchmarks/engine/bench_device_budget.py),
+# load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/serving/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
 # adds `serve` options, e.g. "--workers=2"; LOAD_TAG suffixes the reports' names (a second run beside the
 # first, e.g. LOAD_TAG=-hold0 LOAD_SERVER_ARGS=--codec-hold-ms=0); LOAD_PROFILE=SECONDS samples the core and the API workers with
-# py-spy from .whl/tools in each window: benchmarks/profiling.py), soak (10,000
+# py-spy from .whl/tools in each window: benchmarks/serving/profiling.py), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), hostile (good clients at 20 req/s of 1.7B-CustomVoice through `serve` beside
 # every kind of hostile client, one SIGKILL of the engine core under load, then every gauge back to 0:
-# benchmarks/hostile.py; HOSTILE_DURATION seconds of arrivals, default 3600; HOSTILE_RATE, HOSTILE_MODEL,
+# benchmarks/serving/hostile.py; HOSTILE_DURATION seconds of arrivals, default 3600; HOSTILE_RATE, HOSTILE_MODEL,
 # HOSTILE_CONCURRENCY, HOSTILE_ARGS (more options, e.g. "--workers 2") and HOSTILE_TAG (suffixes the reports' names)
 # override it), cpu-0.6b (the CPU backend on the host's CPU cores only), turn-latency
 # (an LLM's first token -> first audio, text paced at 30/60/100 tokens/s, through the engine, Pipecat
-# TOKEN/SENTENCE and the WebSocket: benchmarks/turn_latency.py; Pipecat from .whl/pipecat; TURN_MODELS,
+# TOKEN/SENTENCE and the WebSocket: benchmarks/serving/turn_latency.py; Pipecat from .whl/pipecat; TURN_MODELS,
 # TURN_ARGS and TURN_TAG override the models, add options and suffix the report's name), prefix-ab (one
 # stream, first audio with the voice-prefix cache off, on, and on with the staged prefill, 0.6B and 1.7B),
-# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/startup.py;
+# startup (`serve` launch -> /ready with 256 slots: cold, warm, and after `prepare`; benchmarks/serving/startup.py;
 # STARTUP_CASES picks them, `profiled` adds a warm start sampled by py-spy from .whl/tools, STARTUP_CACHE_ROOT
 # keeps each case's caches there),
 # ray-install (Ray Serve from .whl/ray into .ray-site/: a call of its own that carries .whl/ray only, see
@@ -31,9 +31,9 @@
 # sharing its one GPU, half a GPU each (slots by their share of its memory), beside plain `serve`, at 1, 20 and 40 req/s over the WebSocket
 # and 20 req/s over HTTP; RAY_WINDOW sets the window seconds; RAY_REPLICA_COUNTS="serve" the baseline alone, "2" the
 # replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
-# are SIGKILLed: benchmarks/ray_faults.py) and ray-2gpu (on nvidia-h200-x2, likewise:
+# are SIGKILLed: benchmarks/serving/ray_faults.py) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
-# benchmarks/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
+# benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -70,39 +70,39 @@ for stage in "$@"; do
   case $stage in
     smoke)
       for flags in "" "--no-fused-kernels" "--no-fused-kernels --no-overlap-codec"; do
-        if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 -m benchmarks.bench_engine --model synthetic:0.6b \
+        if timeout 300 bash -c "PYTHONPATH=/tmp/official:. python3 -m benchmarks.engine.bench_engine --model synthetic:0.6b \
              --smoke $flags $pdl --out $out/smoke-0.6b.json" >> "$out/smoke.log" 2>&1; then echo "smoke passed with flags: '$flags'"; break
         else echo "smoke FAILED with flags: '$flags'"; grep -v Assertion "$out/smoke.log" | tail -4; fi
       done ;;
-    sweep) official -m benchmarks.sweep_gemv $pdl --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
-    kernels) official -m benchmarks.bench_kernels --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
+    sweep) official -m benchmarks.kernels.sweep_gemv $pdl --out "$out/gemv-sweep.json" 2>&1 | tee "$out/gemv-sweep.log" ;;
+    kernels) official -m benchmarks.kernels.bench_kernels --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
-    timeline) official -m benchmarks.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
-    loop) official -m benchmarks.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
+    timeline) official -m benchmarks.engine.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
+    loop) official -m benchmarks.engine.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
-    parity) official -m benchmarks.gpu_parity --model synthetic:0.6b --frames 205 ${PARITY_DTYPES:+--dtypes $PARITY_DTYPES} \
+    parity) official -m benchmarks.engine.gpu_parity --model synthetic:0.6b --frames 205 ${PARITY_DTYPES:+--dtypes $PARITY_DTYPES} \
               $flags $pdl --out "$out/parity-0.6b.json" 2>&1 | tee "$out/parity.log" ;;
-    parity-1.7b) official -m benchmarks.gpu_parity --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
+    parity-1.7b) official -m benchmarks.engine.gpu_parity --model synthetic:1.7b --frames 205 --dtypes float32 $flags $pdl \
                    --out "$out/parity-1.7b.json" 2>&1 | tee "$out/parity-1.7b.log" ;;
     # fp32 with TF32 off (gpu_parity sets it): head_dim 24/40, GQA 5:1/3:1, predictor as wide as the talker;
     # widehead's predictor (head_dim 272) runs on the PyTorch layers beside a Triton talker
-    parity-odd) official -m benchmarks.gpu_parity --frames 40 --dtypes float32 --max-seq-len 256 $flags $pdl \
+    parity-odd) official -m benchmarks.engine.gpu_parity --frames 40 --dtypes float32 --max-seq-len 256 $flags $pdl \
                   --model synthetic:odd,synthetic:odd-customvoice,synthetic:odd-voicedesign,synthetic:widehead \
                   --out "$out/parity-odd.json" 2>&1 | tee "$out/parity-odd.log" ;;
     kernel-tests) PYTHONPATH=/tmp/official:. python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels \
                     2>&1 | tee "$out/kernel-tests.log" ;;
-    engine-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
+    engine-0.6b) official -m benchmarks.engine.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
     first-audio) models=${FIRST_AUDIO_MODELS:-synthetic:0.6b-customvoice,synthetic:1.7b-customvoice}
                  for m in ${models//,/ }; do checkpoint $m > /dev/null; done
-                 official -m benchmarks.first_audio_timeline --model "$models" ${FIRST_AUDIO_ARGS:-} --out "$out/first-audio${FIRST_AUDIO_TAG:-}.json" \
+                 official -m benchmarks.engine.first_audio_timeline --model "$models" ${FIRST_AUDIO_ARGS:-} --out "$out/first-audio${FIRST_AUDIO_TAG:-}.json" \
                    2>&1 | tee "$out/first-audio${FIRST_AUDIO_TAG:-}.log" ;;
-    single-0.6b) official -m benchmarks.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
+    single-0.6b) official -m benchmarks.engine.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
                    --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
-    budget-1.7b) official -m benchmarks.bench_device_budget --model synthetic:1.7b-customvoice \
+    budget-1.7b) official -m benchmarks.engine.bench_device_budget --model synthetic:1.7b-customvoice \
                    --out "$out/budget-1.7b.json" 2>&1 | tee "$out/budget-1.7b.log" ;;
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
-               official -m benchmarks.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
+               official -m benchmarks.serving.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
                  --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-log "$out/serve-1.7b${LOAD_TAG:-}.log" --out "$out/load-1.7b${LOAD_TAG:-}.json" 2>&1 \
@@ -110,8 +110,8 @@ for stage in "$@"; do
                tar_profile "load-1.7b${LOAD_TAG:-}" ;;
     load-0.6b) checkpoint synthetic:0.6b > /dev/null
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
-               ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
-               official -m benchmarks.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
+               ref_text=$(official -c "import benchmarks.engine.bench_engine as b; print(b.REF_TEXT)" | tail -1)
+               official -m benchmarks.serving.load --model synthetic:0.6b --rates ${LOAD_RATES:-20} --held ${LOAD_HELD:-256} \
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-60} --warmup 5 "${server_args[@]}" \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
                  --server-log "$out/serve-0.6b${LOAD_TAG:-}.log" --out "$out/load-0.6b${LOAD_TAG:-}.json" 2>&1 \
@@ -121,36 +121,36 @@ for stage in "$@"; do
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend on
       # ONNX Runtime's one shared pool instead of a pool per graph (dedicated cores); docs/cpu-backend.md
       threads=${CPU_THREADS:-16}
-      CUDA_VISIBLE_DEVICES= official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" --micro \
+      CUDA_VISIBLE_DEVICES= official -m benchmarks.cpu.bench_cpu --model synthetic:0.6b --threads "$threads" --micro \
         --agreement --out "$out/cpu-0.6b.json" 2>&1 | tee "$out/cpu-0.6b.log"
-      CUDA_VISIBLE_DEVICES= official -m benchmarks.bench_cpu --model synthetic:0.6b --threads "$threads" \
+      CUDA_VISIBLE_DEVICES= official -m benchmarks.cpu.bench_cpu --model synthetic:0.6b --threads "$threads" \
         --backends int8 --pool shared --out "$out/cpu-0.6b-shared.json" 2>&1 | tee -a "$out/cpu-0.6b.log" ;;
-    engine-1.7b) official -m benchmarks.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
+    engine-1.7b) official -m benchmarks.engine.bench_engine --model synthetic:1.7b --single-only $flags $pdl \
                    --out "$out/engine-1.7b.json" 2>&1 | tee "$out/engine-1.7b.log" ;;
     peers-0.6b|peers-1.7b)
-      # the same text, 3 s reference and frame count as benchmarks/bench_engine.py
+      # the same text, 3 s reference and frame count as benchmarks/engine/bench_engine.py
       size=${stage#peers-}; ckpt=$(checkpoint "synthetic:$size")
       official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
-      text=$(official -c "import benchmarks.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
-      ref_text=$(official -c "import benchmarks.bench_engine as b; print(b.REF_TEXT)" | tail -1)
+      text=$(official -c "import benchmarks.engine.bench_engine as b; print(b.BENCH_TEXT)" | tail -1)
+      ref_text=$(official -c "import benchmarks.engine.bench_engine as b; print(b.REF_TEXT)" | tail -1)
       same=(--checkpoint "$ckpt" --frames 100 --ref-audio /tmp/ref.wav --ref-text "$ref_text" --text "$text")
-      official -m benchmarks.peers --system official "${same[@]}" --runs "${OFFICIAL_RUNS:-5}" \
+      official -m benchmarks.peers.peers --system official "${same[@]}" --runs "${OFFICIAL_RUNS:-5}" \
         --out "$out/official-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       [ -d /tmp/faster ] || $install --target /tmp/faster .whl/faster/*.whl .whl/common/*.whl || exit 1
       for c in 1 8; do
-        PYTHONPATH=/tmp/faster python3 -m benchmarks.peers --system faster --chunk-size $c "${same[@]}" \
+        PYTHONPATH=/tmp/faster python3 -m benchmarks.peers.peers --system faster --chunk-size $c "${same[@]}" \
           --runs 5 --out "$out/faster-c$c-$size.json" 2>&1 | tee -a "$out/peers-$size.log"
       done ;;
     soak)
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
-      official -m benchmarks.soak --model synthetic:0.6b --device cuda --utterances ${SOAK_UTTERANCES:-10000} \
+      official -m benchmarks.serving.soak --model synthetic:0.6b --device cuda --utterances ${SOAK_UTTERANCES:-10000} \
         --concurrency ${SOAK_CONCURRENCY:-64} --max-streams 64 --frames 12 --max-rss-growth-mb 50 \
         --out "$out/soak-gpu.json" 2>&1 | tee "$out/soak.log" ;;
     hostile)
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       model=${HOSTILE_MODEL:-synthetic:1.7b-customvoice}
       checkpoint "$model" > /dev/null
-      official -m benchmarks.hostile --model "$model" --duration "${HOSTILE_DURATION:-3600}" --rate "${HOSTILE_RATE:-20}" \
+      official -m benchmarks.serving.hostile --model "$model" --duration "${HOSTILE_DURATION:-3600}" --rate "${HOSTILE_RATE:-20}" \
         --frames 100 --clients 8 --hostile-concurrency "${HOSTILE_CONCURRENCY:-4}" --hostile-pause 0.5 ${HOSTILE_ARGS:-} \
         --server-log "$out/serve-hostile${HOSTILE_TAG:-}.log" --out "$out/hostile${HOSTILE_TAG:-}.json" 2>&1 \
         | tee "$out/hostile${HOSTILE_TAG:-}.log" ;;
@@ -160,12 +160,12 @@ for stage in "$@"; do
         || echo "no Pipecat wheels (.whl/pipecat): the Pipecat rows will say so"
       models=${TURN_MODELS:-synthetic:0.6b,synthetic:0.6b-customvoice,synthetic:1.7b-customvoice}
       for m in ${models//,/ }; do checkpoint $m > /dev/null; done
-      official -m benchmarks.turn_latency --models "$models" ${TURN_ARGS:-} \
+      official -m benchmarks.serving.turn_latency --models "$models" ${TURN_ARGS:-} \
         --out "$out/turn-latency${TURN_TAG:-}.json" 2>&1 | grep -v " | DEBUG " | tee "$out/turn-latency${TURN_TAG:-}.log" ;;
     prefix-ab)
       for m in synthetic:0.6b synthetic:0.6b-customvoice synthetic:1.7b-customvoice; do
         checkpoint $m > /dev/null
-        official -m benchmarks.bench_engine --model $m --prefix-ab --frames 25 --runs 20 $flags $pdl \
+        official -m benchmarks.engine.bench_engine --model $m --prefix-ab --frames 25 --runs 20 $flags $pdl \
           --out "$out/prefix-ab-${m#synthetic:}.json" 2>&1 | tee -a "$out/prefix-ab.log"
       done ;;
     startup)
@@ -175,7 +175,7 @@ for stage in "$@"; do
       if [[ $cases == *profiled* ]]; then
         [ -x /tmp/py-spy/bin/py-spy ] || $install --target /tmp/py-spy .whl/tools/py_spy-*.whl || exit 1
       fi
-      official -m benchmarks.startup --model synthetic:0.6b --device cuda --max-streams 256 --cases "$cases" \
+      official -m benchmarks.serving.startup --model synthetic:0.6b --device cuda --max-streams 256 --cases "$cases" \
         --py-spy /tmp/py-spy/bin/py-spy ${STARTUP_CACHE_ROOT:+--cache-root "$STARTUP_CACHE_ROOT"} \
         --out "$out/startup.json" 2>&1 | tee "$out/startup.log"
       if [ -f "$out/startup/profiled.raw" ]; then gzip "$out/startup/profiled.raw"; fi ;;
@@ -185,7 +185,7 @@ for stage in "$@"; do
       checkpoint synthetic:0.6b > /dev/null
       PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=1 NUM_CPUS=4 \
         ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= LOAD_COMMON="--clients 8 --warmup 5 --duration 30 --frames 100" \
-        bash benchmarks/ray_scaling.sh "$out/ray-2gpu" "${RAY_LOAD1:---held 128 --rates 24}" "${RAY_LOAD2:---held 256 --rates 48}" \
+        bash benchmarks/serving/ray_scaling.sh "$out/ray-2gpu" "${RAY_LOAD1:---held 128 --rates 24}" "${RAY_LOAD2:---held 256 --rates 48}" \
         2>&1 | tee "$out/ray-2gpu.log" ;;
     ray-1gpu)
       # two replicas sharing this one GPU (half a GPU each, slots by their share of its memory) beside plain `serve`,
@@ -200,7 +200,7 @@ for stage in "$@"; do
       PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=0.5 NUM_CPUS=4 \
         ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= REPLICA_COUNTS="$counts" SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
         LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
-        bash benchmarks/ray_scaling.sh "$out/ray-1gpu" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
+        bash benchmarks/serving/ray_scaling.sh "$out/ray-1gpu" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
         2>&1 | tee -a "$out/ray-1gpu.log" ;;
     ray-1gpu-faults)
       # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process
@@ -213,7 +213,7 @@ for stage in "$@"; do
           --max-sessions 100000 --log-level warning > "$out/serve-ray-faults.log" 2>&1 &
         server=$!
         for _ in $(seq 600); do curl -sf http://127.0.0.1:18201/ready > /dev/null && break; sleep 1; done
-        python3 -m benchmarks.ray_faults faults --url ws://127.0.0.1:18201 --rate ${RAY_FAULT_RATE:-20} \
+        python3 -m benchmarks.serving.ray_faults faults --url ws://127.0.0.1:18201 --rate ${RAY_FAULT_RATE:-20} \
           --duration ${RAY_FAULT_WINDOW:-45} --kill-core-at 10 --kill-replica-at 25 --settle 10 --out "$out/ray-1gpu-faults.json" \
           2>&1 | tail -60 | tee "$out/ray-1gpu-faults.log"
         kill -INT $server; wait $server ) ;;

@@ -6,9 +6,8 @@ to an engine core (`EngineClient`: the server's supervisor and API workers, Pipe
 
 from typing import TYPE_CHECKING, Any
 
-from .engine.client import EngineClient
-from .engine.frontend import EngineFrontend, EngineStats
-from .engine.stream import SpeechStream
+from .engine.frontend import EngineFrontend, EngineStats, SpeechStream
+from .engine.process import EngineClient
 from .engine.types import (
     SAMPLE_RATE,
     AudioChunk,
@@ -40,12 +39,12 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from .engine.frontend import Engine
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from .engine.engine import Engine
+        from .engine.frontend import Engine
 
         return Engine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,8 @@ import sys
 import time
 
 from .caches import use_bytecode_cache
+from .engine.frontend import AudioInput
 from .engine.types import DEFAULT_CHUNK_SCHEDULE, SAMPLE_RATE, SamplingParams, TextLayout, Voice
-from .engine.voices import AudioInput
 from .errors import Qwen3TTSAgentError
 from .reference import demo_reference
 
@@ -54,7 +54,7 @@ def _add_say(sub: argparse._SubParsersAction) -> None:
 def _say(args: argparse.Namespace) -> int:
     import soundfile as sf
 
-    from .engine.engine import Engine
+    from .engine.frontend import Engine
     from .progress import Progress
 
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend)
@@ -121,7 +121,7 @@ def _prepare(args: argparse.Namespace) -> int:
     read-only); on a GPU, Triton's compiled kernels (`TRITON_CACHE_DIR`, default ~/.triton/cache: point it into
     the image to bake them in). CUDA graphs belong to a process: every start captures its own.
     """
-    from .engine.engine import Engine
+    from .engine.frontend import Engine
 
     max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
     started = time.perf_counter()

@@ -3,7 +3,7 @@
 Parity: with fp32 weights the ONNX Runtime graphs give the official package's codes and audio on the tiny
 synthetic models of every type, through the real Engine. The int8 format changes the numbers (random
 weights cannot say whether for better or worse), so its tests check that the engine's features work on it;
-its agreement with fp32 is a benchmark output (benchmarks/bench_cpu.py).
+its agreement with fp32 is a benchmark output (benchmarks/cpu/bench_cpu.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from qwen3tts_agent.backends.cpu.codec import CpuCodecDecoder
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
 from qwen3tts_agent.backends.cpu.store import conversion_folder, prepare
 from qwen3tts_agent.engine.runner import ModelRunner, PrefillRow
-from qwen3tts_agent.engine.sampling import gumbel_noise_at, uniform_noise
+from qwen3tts_agent.engine.runner.sampling import gumbel_noise_at, uniform_noise
+from tests.engine.audio.test_codec_streaming import tiny_decoder
 from tests.engine_helpers import (
     REF_TEXT,
     TEXT,
@@ -31,7 +32,6 @@ from tests.engine_helpers import (
     recorded_decode_codes,
     reference_audio,
 )
-from tests.test_codec_streaming import tiny_decoder
 
 FRAMES = 24
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=FRAMES + 1)
@@ -131,7 +131,7 @@ def test_fp32_batched_streams_match_single_streams() -> None:
 # ----------------------------------------------------------------- the draws between the graph calls
 class _RecordedRunner(CpuRunner):
     """The frame as `CpuRunner` ran it before `backends.cpu.draws`: the same graph calls, then `ModelRunner`'s
-    own bookkeeping and `engine.sampling.sample` (the reference the fewer ops must equal, bit for bit)."""
+    own bookkeeping and `engine.runner.sampling.sample` (the reference the fewer ops must equal, bit for bit)."""
 
     def predict_codes(self, b: int, sampling: bool = True) -> None:
         for code in range(1, self.num_groups):

@@ -1,8 +1,8 @@
-"""The CI hostile soak: benchmarks/hostile.py on the tiny model, `serve` with its engine-core process and two API
+"""The CI hostile soak: benchmarks/serving/hostile.py on the tiny model, `serve` with its engine-core process and two API
 workers, for about five minutes.
 
 Good clients at one request a second (25 frames each; with nothing else running, the 2-core machine served 2 a
-second of these with 5 % of streams underrunning, 4 with 11 %: benchmarks/load.py) beside every kind of hostile
+second of these with 5 % of streams underrunning, 4 with 11 %: benchmarks/serving/load.py) beside every kind of hostile
 client: closes the moment `done` arrives, aborts and resets mid-stream, clients that stop reading, malformed and
 oversize messages, floods of tiny deltas, slowloris connections, client processes killed mid-session; and one
 SIGKILL of the engine core under that load. Afterwards every gauge reads 0 on every worker, repeated scrapes of
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hostile import KINDS, Options, print_table, run
+from benchmarks.serving.hostile import KINDS, Options, print_table, run
 
 
 @pytest.mark.slow

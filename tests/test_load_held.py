@@ -1,11 +1,11 @@
-"""`benchmarks/load.py --held`: a held call asks for its next utterance once its listener has heard the last."""
+"""`benchmarks/serving/load.py --held`: a held call asks for its next utterance once its listener has heard the last."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from benchmarks.load import ClientPlan, Playback, Record, held_loop, mean_overlap
+from benchmarks.serving.load import ClientPlan, Playback, Record, held_loop, mean_overlap
 
 AUDIO_S = 0.3  # each fake utterance: this much audio, received at once
 

@@ -1,4 +1,4 @@
-"""`benchmarks/load.py --profile`: py-spy samples of the engine core and the API workers during a window."""
+"""`benchmarks/serving/load.py --profile`: py-spy samples of the engine core and the API workers during a window."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import profiling
+from benchmarks.serving import profiling
 
 
 def test_a_raw_profile_is_summarized_per_thread_by_function() -> None:
@@ -31,7 +31,7 @@ def test_a_raw_profile_is_summarized_per_thread_by_function() -> None:
 def test_the_load_benchmark_profiles_the_core_and_each_api_worker(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     command = [
-        sys.executable, "-m", "benchmarks.load", "--model", "synthetic:tiny", "--server-arg=--backend=torch",
+        sys.executable, "-m", "benchmarks.serving.load", "--model", "synthetic:tiny", "--server-arg=--backend=torch",
         "--server-arg=--max-streams=4", "--server-arg=--workers=2", "--rates", "3", "--clients", "1",
         "--warmup", "1", "--duration", "3", "--frames", "4", "--profile", "2", "--out", str(out),
     ]

@@ -437,7 +437,7 @@ def test_a_bot_that_uses_a_core_process_loads_no_torch() -> None:
     """With an `EngineClient` of a core in another process, the bot's process needs no torch (seconds to
     import, hundreds of MB): the service module and the client import none until an `Engine` is asked for."""
     code = (
-        "import sys, qwen3tts_agent.pipecat, qwen3tts_agent.engine.client; "
+        "import sys, qwen3tts_agent.pipecat, qwen3tts_agent.engine.process.client; "
         "print(sorted(m for m in ('torch', 'transformers', 'qwen_tts') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen3tts_agent import Engine
-from qwen3tts_agent.engine.requests import FRAME_SECONDS, URGENT_SLACK_S
+from qwen3tts_agent.engine.scheduler.requests import FRAME_SECONDS, URGENT_SLACK_S
 from tests.engine_helpers import engine_for
 from tests.server_fixtures import (
     make_config,

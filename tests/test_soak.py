@@ -1,4 +1,4 @@
-"""The CI soak: 1,000 mixed units of work through a real server process (benchmarks/soak.py on the tiny model).
+"""The CI soak: 1,000 mixed units of work through a real server process (benchmarks/serving/soak.py on the tiny model).
 
 Complete utterances, cancels and disconnects mid-stream, bad messages, whitespace-only and oversize messages,
 HTTP requests good and bad; afterwards the server's RSS has not grown by 20 MB since the warm-up, nothing is
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.soak import Options, run
+from benchmarks.serving.soak import Options, run
 
 
 def test_a_thousand_mixed_utterances_leave_the_server_as_they_found_it() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import startup
+from benchmarks.serving import startup
 from qwen3tts_agent.cli import main
 
 
@@ -25,8 +25,8 @@ def test_serve_starts_cold_warm_and_prepared_and_reports_its_split(tmp_path: Pat
     profile = report["starts"]["profiled"]["core_profile"]
     assert 0 < profile["main_thread_s"] <= report["starts"]["profiled"]["ready_s"] + 1
     inclusive = dict(profile["inclusive_s"])
-    assert inclusive["core_main (qwen3tts_agent/engine/core_server.py)"] > 0
-    assert 0 < inclusive["Engine.load (qwen3tts_agent/engine/engine.py)"] < profile["main_thread_s"]
+    assert inclusive["core_main (qwen3tts_agent/engine/process/core_server.py)"] > 0
+    assert 0 < inclusive["Engine.load (qwen3tts_agent/engine/frontend/engine.py)"] < profile["main_thread_s"]
     assert (out.with_suffix("") / "profiled.raw").stat().st_size > 0
     for case, start in report["starts"].items():
         core = start["core"]
@@ -48,8 +48,8 @@ def test_the_core_profile_takes_the_core_process_main_thread_whatever_its_comman
     spawned = 'process 11:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=6)"'
     worker = 'process 12:"python -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=9)"'
     lines = [
-        f"{serve};{spawned};thread (11): MainThread;run_core (process.py:40);core_main (core_server.py:230);load (engine.py:9) 300",
-        f"{serve};{spawned};thread (11): MainThread;run_core (process.py:40);core_main (core_server.py:235);wait (threading.py:3) 100",
+        f"{serve};{spawned};thread (11): MainThread;run_core (supervisor.py:40);core_main (core_server.py:230);load (engine.py:9) 300",
+        f"{serve};{spawned};thread (11): MainThread;run_core (supervisor.py:40);core_main (core_server.py:235);wait (threading.py:3) 100",
         f"{serve};{spawned};thread (13): qwen3tts-engine;capture (cuda_graphs.py:1) 500",
         f"{serve};{worker};thread (12): MainThread;serve (uvicorn.py:1) 400",
         f"{serve};thread (10): MainThread;serve (launcher.py:1) 400",
@@ -58,7 +58,7 @@ def test_the_core_profile_takes_the_core_process_main_thread_whatever_its_comman
     profile = startup.core_profile(lines)
     assert profile["main_thread_s"] == 4.0  # 400 samples of the core's main thread at 100 a second
     assert dict(profile["inclusive_s"]) == {
-        "run_core (process.py)": 4.0, "core_main (core_server.py)": 4.0, "load (engine.py)": 3.0, "wait (threading.py)": 1.0,
+        "run_core (supervisor.py)": 4.0, "core_main (core_server.py)": 4.0, "load (engine.py)": 3.0, "wait (threading.py)": 1.0,
     }
     assert profile["self_s"] == [["load (engine.py)", 3.0], ["wait (threading.py)", 1.0]]
     assert profile["engine_thread"] == {

@@ -1,4 +1,4 @@
-"""benchmarks/turn_latency.py on the tiny models: every path runs (engine API, a Pipecat pipeline in TOKEN and
+"""benchmarks/serving/turn_latency.py on the tiny models: every path runs (engine API, a Pipecat pipeline in TOKEN and
 SENTENCE mode, the server's WebSocket) and the report holds what the benchmark claims to measure. Timings
 on a shared CPU say nothing; the H200 figures come from `benchmarks/run_h200.sh OUT turn-latency`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import turn_latency
+from benchmarks.serving import turn_latency
 
 RATE = 100.0
 

@@ -3,7 +3,7 @@
 The engine drives a runner (`ModelRunner`'s interface: slot tables, `prefill`, `frame_step`, `frame_out`)
 and a streaming codec decoder (`StreamingCodecDecoder`'s interface). Both come from here:
 
-- "torch": the PyTorch path (`engine.runner`, `engine.codec`), with Triton kernels and CUDA graphs on a GPU;
+- "torch": the PyTorch path (`engine.runner`, `engine.audio.codec`), with Triton kernels and CUDA graphs on a GPU;
   on a CPU it is eager fp32 PyTorch.
 - "int8": the CPU backend (`backends.cpu`): the talker and the code predictor as ONNX Runtime graphs with
   8-bit weights; the codec decoder with its short convolutions as GEMMs, in bfloat16 where the CPU has it.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.codec import StreamingCodecDecoder
+from ..engine.audio import StreamingCodecDecoder
 from ..engine.runner import ModelRunner
 from ..kernels import common as kernel_common
 from ..models.compat import OfficialModule

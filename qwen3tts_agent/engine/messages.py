@@ -1,7 +1,7 @@
 """Typed messages between the engine's public side and its core: requests in, audio and endings out.
 
 The same messages cross a thread boundary (the in-process engine) or a process boundary (the engine-core
-process, `engine/process.py`), so the core never sees a `SpeechStream`, a socket or an event loop: it
+process, `engine/process/supervisor.py`), so the core never sees a `SpeechStream`, a socket or an event loop: it
 knows a request by its id and answers with outputs addressed to that id.
 """
 

@@ -1,7 +1,7 @@
 """The codec transformer's small per-layer ops as one launch each: `rms_norm`, `rope_window`, `silu_mul`.
 
 A streaming codec chunk is one to a few frames per stream, so the codec's 8-layer sliding-window transformer
-(`engine/codec_transformer.py`) is bound by kernel launches, not by bytes or arithmetic: on the PyTorch
+(`engine/audio/codec_transformer.py`) is bound by kernel launches, not by bytes or arithmetic: on the PyTorch
 layers a layer is about 60 small kernels (each RMSNorm six, RoPE five for q and five for k, the key/value
 history's index_select + cat + index_copy for keys and for values, ...) in a graph of ~770 launches. These
 three kernels replace those elementwise chains; the products stay cuBLAS GEMMs and attention stays SDPA.
@@ -9,7 +9,7 @@ three kernels replace those elementwise chains; the products stay cuBLAS GEMMs a
 - `rms_norm`: the official `Qwen3TTSTokenizerV2DecoderRMSNorm`, one program per row.
 - `rope_window`: per (batch row, head): RoPE of the new queries and keys from the fused q/k/v projection,
   and each key/value head's window [slot's history, new rows], whose newest rows then replace the history
-  in place (the slot's state, as `engine.codec._History` keeps it).
+  in place (the slot's state, as `engine.audio.codec.SlotHistory` keeps it).
 - `silu_mul`: SiLU(gate) · up of the fused gate/up projection.
 
 Each intermediate is rounded to the model dtype where PyTorch's kernels store it, fp32 products are not
@@ -24,7 +24,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
+from ..models.compat import OfficialModule
 from . import common
 from .common import jit, round_to
 
@@ -50,6 +52,51 @@ def supports(head_dim: int, width: int, dtype: torch.dtype) -> common.Support:
     if not 0 < width <= MAX_NORM_WIDTH:
         return common.unsupported(f"hidden width {width} above {MAX_NORM_WIDTH}")
     return common.dtype_support(dtype)
+
+
+_SILU_TYPES = ("SiLU", "SiLUActivation")  # torch's module, and transformers' ACT2FN["silu"]
+
+
+def supports_transformer(transformer: OfficialModule) -> common.Support:
+    """Whether the engine's `FusedCodecTransformer` (engine/audio/codec_transformer.py) takes an official
+    `Qwen3TTSTokenizerV2DecoderTransformerModel`: identity q/k norms, no attention or MLP biases, a SiLU MLP,
+    RMSNorms and LayerScales of the hidden width, and shapes the kernels take. It says nothing about the
+    device (`kernels.common.available`). Here rather than beside that module so that the runner's choice of
+    kernel paths (`engine/runner/kernel_paths.py`) makes the same check without importing the codec."""
+    layers = list(transformer.layers)
+    if not layers:
+        return common.unsupported("no transformer layers")
+    width = transformer.norm.weight.shape[0]
+    attn = layers[0].self_attn
+    head_dim = attn.head_dim
+    heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
+            return common.unsupported("q/k norms are not identities")
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(p.bias is not None for p in projections):
+            return common.unsupported("attention or MLP projections with bias")
+        if type(mlp.act_fn).__name__ not in _SILU_TYPES:
+            return common.unsupported(f"MLP activation {type(mlp.act_fn).__name__} is not SiLU")
+        if (attn.head_dim != head_dim or attn.q_proj.out_features != heads * head_dim
+                or attn.k_proj.out_features != kv_heads * head_dim or attn.v_proj.out_features != kv_heads * head_dim
+                or heads % kv_heads or attn.num_key_value_groups != heads // kv_heads):
+            return common.unsupported("attention shapes differ between layers or heads")
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        scales = (layer.self_attn_layer_scale.scale, layer.mlp_layer_scale.scale)
+        if any(not _is_rms_norm(n, width) for n in norms) or any(s.shape != (width,) for s in scales):
+            return common.unsupported("norms or layer scales of an unexpected kind or width")
+    if not _is_rms_norm(transformer.norm, width):
+        return common.unsupported("final norm of an unexpected kind")
+    return supports(head_dim, width, transformer.norm.weight.dtype)
+
+
+def _is_rms_norm(module: nn.Module, width: int) -> bool:
+    """The official decoder RMSNorm (matched by class name: the class lives in qwen_tts) of `width`."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor)
+            and weight.shape == (width,) and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
 def _libdevice() -> bool:

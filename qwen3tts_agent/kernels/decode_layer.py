@@ -72,7 +72,7 @@ MAX_HEAD_DIM = 256
 class DecoderLayerWeights(Protocol):
     """What `decode_layer` reads of a layer: its sizes and its weights, rearranged for the decode path.
 
-    `engine.layers.FusedDecoderLayer` is one: w_qkv is [q; k; v] and w_gate_up [gate; up], both contiguous.
+    `engine.runner.layers.FusedDecoderLayer` is one: w_qkv is [q; k; v] and w_gate_up [gate; up], both contiguous.
     """
 
     head_dim: int
@@ -285,7 +285,7 @@ class AttentionTiles:
 
 
 def attention_tiles(rows: int, read_len: int, dtype: torch.dtype) -> AttentionTiles:
-    """The tiles of a launch over `rows` rows attending `read_len` keys, as `benchmarks/bench_attention.py`
+    """The tiles of a launch over `rows` rows attending `read_len` keys, as `benchmarks/kernels/bench_attention.py`
     timed them on an H200 (docs/kernels.md): 16-bit launches over a few keys (the code predictor's) as one
     16-key block on one warp, which leaves registers for several times as many programs per SM (the launch is
     a chain of dependent loads, so resident programs are what hides it); a few rows on 8 warps; many rows

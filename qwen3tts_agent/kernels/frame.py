@@ -26,9 +26,9 @@ try:
 except ImportError:  # keeps the module importable without triton; common.available() reports False
     pass
 
-# Warps per sampling program, chosen from whole graphed frames (benchmarks/frame_timeline.py): the talker's
+# Warps per sampling program, chosen from whole graphed frames (benchmarks/engine/frame_timeline.py): the talker's
 # sort of 4096 int64 keys and the predictor's of 2048 int32 keys run on one SM each, and more warps
-# shorten them; alone, outside a frame, the warp count made little difference (benchmarks/bench_sampling.py).
+# shorten them; alone, outside a frame, the warp count made little difference (benchmarks/kernels/bench_sampling.py).
 TALKER_CODE0_WARPS = 16
 PREDICTOR_CODE_WARPS = 8
 

@@ -7,7 +7,7 @@ loads vectorise) through `tl.dot` against the rows padded to 16..64, accumulatin
 until the grid fills the GPU; the last split of a tile to arrive reduces the partial sums in a fixed order
 (deterministic, no atomics on data). Which tiles are fastest depends on the GPU and the product shape, and no
 formula predicts it well, so they are data: `configs/gemv_tiles.json`, per GPU name and product shape, swept
-by `benchmarks/sweep_gemv.py`; other GPUs and shapes use DEFAULT_TILES.
+by `benchmarks/kernels/sweep_gemv.py`; other GPUs and shapes use DEFAULT_TILES.
 
 Under programmatic dependent launch the kernel loads its first weight block, which no kernel writes, before
 waiting for the kernel before it; it loads its residual tile with its inputs rather than after the split
@@ -36,7 +36,7 @@ except ImportError:  # keeps the module importable without triton; common.availa
     pass
 
 # Up to this many rows a decoder layer's products run as `gemv`; above it cuBLAS GEMMs tile the batch better
-# (benchmarks/sweep_gemv.py compares both).
+# (benchmarks/kernels/sweep_gemv.py compares both).
 GEMV_MAX_ROWS = 64
 FP32_BLOCK_K = 64  # exact fp32 FMA products (no tensor cores) spill registers beyond this
 MAX_BLOCK_M = 64  # rows per program; larger batches take several row tiles

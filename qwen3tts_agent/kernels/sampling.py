@@ -1,4 +1,4 @@
-"""The logits processing, warping and draw of `engine.sampling.sample` for one row, as Triton code (`sample_row`).
+"""The logits processing, warping and draw of `engine.runner.sampling.sample` for one row, as Triton code (`sample_row`).
 
 A frame's kernels (`frame.py`) sample with it inside their per-row bookkeeping; `fused_sample` runs it alone,
 one launch for a batch of rows, which is how the tests hold it against the PyTorch reference.

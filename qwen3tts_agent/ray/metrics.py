@@ -6,7 +6,7 @@ application. Whichever replica a scrape reaches answers from the hub (with its o
 place of its last snapshot):
 
 - `GET /metrics`: every family summed over the replicas, under the names `serve` uses, so dashboards and
-  `benchmarks/load.py` read a Serve deployment as one server;
+  `benchmarks/serving/load.py` read a Serve deployment as one server;
 - `GET /metrics/replicas`: the same families with a `replica` label per replica.
 
 A replica silent for `STALE_AFTER_S` (dead, or removed by a scale-down) drops out of both, so summed

@@ -106,11 +106,10 @@ class EngineReplica:
         s = self._settings
         engine_kwargs = s.engine_kwargs()
         if s.engine_core == "thread":
-            from ..engine.engine import Engine
+            from ..engine.frontend import Engine
 
             return Engine.load(s.model, device=s.device, dtype=s.dtype, progress=False, **engine_kwargs)
-        from ..engine.client import EngineClient
-        from ..engine.process import CoreLaunch, EngineProcess
+        from ..engine.process import CoreLaunch, EngineClient, EngineProcess
 
         address = f"ipc://{tempfile.gettempdir()}/qwen3tts-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._core = EngineProcess(CoreLaunch(

@@ -32,7 +32,7 @@ class RayServeSettings:
         step_period_ms: under load, how often a batched frame step may start at most, as for
             `serve --step-period-ms` (None: the engine's default).
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
-            a child process of the replica (`engine/process.py`), so the step loop shares no interpreter lock
+            a child process of the replica (`engine/process/supervisor.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
         torch_threads: torch's intra-op threads per replica (None: torch's default).
         num_replicas: a fixed number of replicas, or None to autoscale between `min_replicas` and

@@ -194,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve(config, launch, workers=workers, log_level=args.log_level)
     import uvicorn
 
-    from ..engine.engine import Engine  # the engine core on a thread of this process
+    from ..engine.frontend import Engine  # the engine core on a thread of this process
     from .app import create_app
     from .connections import uvicorn_config
     from .launcher import show_server_logs

@@ -1,7 +1,7 @@
 """`serve` with the engine core in a process of its own: the supervisor, and the API workers' app.
 
 The supervisor (the process `qwen3tts-agent serve` starts in) launches the engine-core process
-(`engine/process.py`, restarted with a back-off if it dies) and runs uvicorn: one API worker in this
+(`engine/process/supervisor.py`, restarted with a back-off if it dies) and runs uvicorn: one API worker in this
 process, or `--workers N` worker processes on one listening socket (uvicorn's own supervisor restarts a
 worker that dies). Every worker builds its app with `worker_app()`, whose engine is an `EngineClient` of
 the core, so HTTP/WebSocket handling, JSON and PCM encoding never share an interpreter with the step loop.
@@ -56,7 +56,7 @@ def connect_to_core(address: str, failure_file: Path) -> Any:
     """An `EngineClient` of the core once it serves (one connection, so every worker connects the moment the
     core binds); EngineNotReadyError as soon as its start failed (the supervisor wrote `failure_file`), so a
     worker stops waiting and `serve` exits instead of hanging."""
-    from ..engine.client import EngineClient
+    from ..engine.process import EngineClient
 
     def failed() -> str | None:
         return failure_file.read_text() if failure_file.exists() else None

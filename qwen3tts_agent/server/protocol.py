@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.text import validate_text
+from ..engine.frontend import validate_text
 from ..engine.types import SamplingParams
 from ..errors import (
     EngineClosedError,

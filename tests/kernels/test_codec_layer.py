@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder, _History, _rotate
-from qwen3tts_agent.engine.codec_transformer import support as fused_support
+from qwen3tts_agent.engine.audio.codec import SlotHistory, StreamingCodecDecoder, rotate_rope
 from qwen3tts_agent.kernels import codec_layer
+from qwen3tts_agent.kernels.codec_layer import supports_transformer as fused_support
 from qwen3tts_agent.models.compat import import_qwen_tts
-from tests.test_codec_streaming import TOLERANCE, tiny_decoder
+from tests.engine.audio.test_codec_streaming import TOLERANCE, tiny_decoder
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
@@ -94,22 +94,22 @@ def test_rope_window_equals_rotate_and_history_extend(
     device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int, frames: int,
 ) -> None:
     """Slots [2, 0] of 3 with random histories; qkv a slice of wider rows. Query, window and all histories
-    (slot 1 untouched) against the codec's eager `_rotate` and `_History.extend`."""
+    (slot 1 untouched) against the codec's eager `rotate_rope` and `SlotHistory.extend`."""
     batch, streams, width = 2, 3, (heads + 2 * kv_heads) * head_dim
     qkv = _randn(batch, frames, width + 5, seed=frames, scale=2.0).to(device, dtype)[..., 2 : 2 + width]
     cos, sin = (t.to(device) for t in _rope_tables([7, 40], frames, head_dim, dtype))
     slots = torch.tensor([2, 0], device=device)
     hist_shape = (streams, kv_heads, window - 1, head_dim)
     k_hist, v_hist = (_randn(*hist_shape, seed=s).to(device, dtype) for s in (1, 2))
-    k_ref, v_ref = _History(k_hist.clone(), dim=2), _History(v_hist.clone(), dim=2)
+    k_ref, v_ref = SlotHistory(k_hist.clone(), dim=2), SlotHistory(v_hist.clone(), dim=2)
     k_before = k_hist.clone()
 
     shape = (batch, frames, -1, head_dim)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
     q_new = qkv[..., :q_size].reshape(shape).transpose(1, 2)
-    expected_query = _rotate(q_new, cos4, sin4)
-    expected_keys = k_ref.extend(slots, _rotate(qkv[..., q_size : q_size + kv_size].reshape(shape).transpose(1, 2), cos4, sin4))
+    expected_query = rotate_rope(q_new, cos4, sin4)
+    expected_keys = k_ref.extend(slots, rotate_rope(qkv[..., q_size : q_size + kv_size].reshape(shape).transpose(1, 2), cos4, sin4))
     expected_values = v_ref.extend(slots, qkv[..., q_size + kv_size :].reshape(shape).transpose(1, 2))
 
     query, keys, values = codec_layer.rope_window(qkv, cos, sin, slots, k_hist, v_hist)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qwen3tts_agent.engine.layers import FusedDecoderLayer, rope_tables
+from qwen3tts_agent.engine.runner.layers import FusedDecoderLayer, rope_tables
 from qwen3tts_agent.kernels import common, decode_layer, gemv
 from qwen3tts_agent.models.compat import import_qwen_tts
 

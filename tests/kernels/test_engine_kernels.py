@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
-from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
+from qwen3tts_agent.engine.runner.kernel_paths import TRITON_PATH
 from qwen3tts_agent.kernels import common, gemv
 from tests.engine_helpers import TEXT, engine_for, official_model, recorded_decode_codes, reference_audio
 
@@ -77,11 +77,11 @@ def test_odd_shapes_run_on_the_kernels_and_match_official(spec: str) -> None:
 
 def test_a_stack_the_kernels_refuse_runs_on_pytorch_and_matches_official(caplog: pytest.LogCaptureFixture) -> None:
     official_codes, voice = _official_greedy("synthetic:widehead")
-    with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.engine.kernel_paths"):
+    with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.engine.runner.kernel_paths"):
         codes, paths = _engine_codes("synthetic:widehead", voice)
     assert paths["talker"] == TRITON_PATH and paths["codec"] == TRITON_PATH
     assert paths["predictor"] == "pytorch (head_dim 272 above 256 not supported)"
-    said = [r.getMessage() for r in caplog.records if r.name == "qwen3tts_agent.engine.kernel_paths"]
+    said = [r.getMessage() for r in caplog.records if r.name == "qwen3tts_agent.engine.runner.kernel_paths"]
     assert len(said) == 1 and "predictor: head_dim 272" in said[0], f"said once, with the reason: {said}"
     assert torch.equal(codes, official_codes)
 

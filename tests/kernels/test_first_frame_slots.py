@@ -24,9 +24,8 @@ def test_streams_through_first_frame_slots_of_a_full_engine_make_their_codes_alo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from qwen3tts_agent import Engine, SamplingParams, Voice
-    from qwen3tts_agent.engine import device_load
-    from qwen3tts_agent.engine.engine import FIRST_FRAME_SLOTS
-    from qwen3tts_agent.engine.scheduler import Scheduler
+    from qwen3tts_agent.engine.frontend.engine import FIRST_FRAME_SLOTS
+    from qwen3tts_agent.engine.scheduler import Scheduler, device_load
     from qwen3tts_agent.models.loading import load_official_model
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

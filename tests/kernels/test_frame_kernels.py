@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
-from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
 from qwen3tts_agent.engine.runner import ModelRunner, PrefillRow
+from qwen3tts_agent.engine.runner.kernel_paths import TRITON_PATH
 from qwen3tts_agent.models.loading import load_official_model
 
 SLOTS = [

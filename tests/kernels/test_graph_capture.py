@@ -1,5 +1,5 @@
 """`GraphCapture` on a GPU: a graph is captured with cuDNN's attention left out of
-`scaled_dot_product_attention`'s choice (`engine/cuda_graphs.py` says why), its replay gives the same
+`scaled_dot_product_attention`'s choice (`engine/runner/cuda_graphs.py` says why), its replay gives the same
 attention as an eager call, and the choice is the caller's again once the capture is done. A capture that
 fails without its eager run gets one and a valid graph; two families captured at once on two threads
 (`capture_beside`) replay what eager calls compute. The frame graphs, captured after one eager frame step per
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 @pytest.mark.gpu
 def test_a_graph_is_captured_without_cudnn_attention_and_the_choice_is_restored() -> None:
-    from qwen3tts_agent.engine.cuda_graphs import GraphCapture
+    from qwen3tts_agent.engine.runner import GraphCapture
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 4, 32, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
@@ -39,7 +39,7 @@ def test_a_graph_is_captured_without_cudnn_attention_and_the_choice_is_restored(
 
 @pytest.mark.gpu
 def test_a_capture_that_fails_without_its_eager_run_gets_one_and_a_valid_graph() -> None:
-    from qwen3tts_agent.engine.cuda_graphs import GraphCapture
+    from qwen3tts_agent.engine.runner import GraphCapture
 
     x = torch.arange(8, device="cuda", dtype=torch.float32)
     calls: list[int] = []
@@ -62,7 +62,7 @@ def test_a_capture_that_fails_without_its_eager_run_gets_one_and_a_valid_graph()
 @pytest.mark.gpu
 def test_two_families_captured_beside_each_other_replay_what_eager_calls_compute() -> None:
     """A convolution family (cuDNN plans: the codec's kind) on the helper thread beside a matmul family."""
-    from qwen3tts_agent.engine.cuda_graphs import GraphCapture, capture_beside
+    from qwen3tts_agent.engine.runner import GraphCapture, capture_beside
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     signal = torch.randn(4, 16, 256, device="cuda", generator=generator)
@@ -97,8 +97,8 @@ def test_frame_graphs_captured_after_one_eager_run_per_batch_bucket_replay_the_e
     """`GraphedFrameStep.capture` runs a frame step eagerly only before each batch bucket's first kv bucket;
     the graphs captured without one still replay what eager steps compute (the same greedy codes)."""
     from qwen3tts_agent import Engine, SamplingParams, Voice
-    from qwen3tts_agent.engine.cuda_graphs import GraphCapture
-    from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
+    from qwen3tts_agent.engine.runner import GraphCapture
+    from qwen3tts_agent.engine.runner.kernel_paths import TRITON_PATH
     from qwen3tts_agent.models.loading import load_official_model
 
     official = load_official_model("synthetic:tiny-customvoice", device="cuda", progress=False)

@@ -1,4 +1,4 @@
-"""`sampling.fused_sample` draws what `engine.sampling.sample` draws, row by row.
+"""`sampling.fused_sample` draws what `engine.runner.sampling.sample` draws, row by row.
 
 The reference ranks candidates with torch.topk, whose order among equal scores is unspecified, so cases with
 ties (bf16 logits) compare against the same reference with a stable sort in place of topk, which is the
@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from qwen3tts_agent.engine.sampling import (
+from qwen3tts_agent.engine.runner.sampling import (
     SamplerRows,
     apply_repetition_penalty,
     gumbel_noise_at,

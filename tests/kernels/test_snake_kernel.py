@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from qwen3tts_agent.engine.codec import StreamingCodecDecoder
+from qwen3tts_agent.engine.audio import StreamingCodecDecoder
 from qwen3tts_agent.kernels import snake
 from qwen3tts_agent.models.compat import import_qwen_tts
-from tests.test_codec_streaming import TOLERANCE, tiny_decoder
+from tests.engine.audio.test_codec_streaming import TOLERANCE, tiny_decoder
 
 
 def _module(channels: int, dtype: torch.dtype, device: str) -> nn.Module:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
-from qwen3tts_agent.engine.kernel_paths import TRITON_PATH
+from qwen3tts_agent.engine.runner.kernel_paths import TRITON_PATH
 from qwen3tts_agent.kernels import common, gemv
 from qwen3tts_agent.models.loading import load_official_model
 from tests.engine_helpers import official_model

@@ -11,7 +11,7 @@ Results equal the module's to float rounding, so the decoder stays exact (tests/
 The decoder's cost is arithmetic, not bytes: about 2.5 GMAC per frame, nearly all in the audio-rate
 convolutions. In float32 two cores do about 80 GFLOP/s of it; with `compute_dtype=torch.bfloat16` (the int8
 backend's choice on CPUs with AVX512-BF16 or AMX) oneDNN runs the same convolutions about twice as fast, on
-a bfloat16 copy of the decoder. That is not exact: benchmarks/bench_cpu.py reports the audio difference.
+a bfloat16 copy of the decoder. That is not exact: benchmarks/cpu/bench_cpu.py reports the audio difference.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.codec import StreamingCodecDecoder
+from ...engine.audio import StreamingCodecDecoder
 from ...models.compat import OfficialModule
 
-# Output steps up to which a convolution runs as a GEMM (benchmarks/bench_cpu.py --codec-convs measured where
+# Output steps up to which a convolution runs as a GEMM (benchmarks/cpu/bench_cpu.py --codec-convs measured where
 # the GEMM stops winning).
 GEMM_MAX_STEPS = 64
 

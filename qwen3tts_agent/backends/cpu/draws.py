@@ -1,4 +1,4 @@
-"""The CPU backend's draws: `engine.sampling.sample`'s tokens, bit for bit, in a fraction of its ops.
+"""The CPU backend's draws: `engine.runner.sampling.sample`'s tokens, bit for bit, in a fraction of its ops.
 
 A frame on the CPU backend is 31 graph calls with PyTorch's sampling between them, and there every op costs
 a few microseconds of dispatch, and ten times that right after a graph call has streamed the predictor's
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...engine.sampling import (
+from ...engine.runner import (
     PCG_INCREMENT,
     PCG_MULTIPLIER,
     PCG_WORD_MULTIPLIER,

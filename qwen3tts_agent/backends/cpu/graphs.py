@@ -77,7 +77,7 @@ class StackShape:
     scaling: float
 
 
-class _GraphBuilder:
+class GraphBuilder:
     """Collects nodes and initializers; `linear` emits MatMulNBits or MatMul depending on the format."""
 
     def __init__(self, weight_format: str) -> None:
@@ -158,7 +158,7 @@ def decoder_stack_graph(
     """
     from onnx import TensorProto, helper
 
-    g = _GraphBuilder(weight_format)
+    g = GraphBuilder(weight_format)
     d, heads, kv = shape.head_dim, shape.heads, shape.kv_heads
     q_size, kv_size = heads * d, kv * d
     x = "x"
@@ -203,24 +203,25 @@ def decoder_stack_graph(
             progress.update(1)  # type: ignore[attr-defined]
     outputs.insert(0, helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", shape.hidden]))
     graph = helper.make_graph(g.nodes, "decoder_stack", inputs, outputs, g.initializers)
-    return _model(graph)
+    return onnx_model(graph)
 
 
 def linear_graph(weight: torch.Tensor, weight_format: str) -> Any:
     """One Linear (no bias) as an ONNX model: x [rows, K] -> y [rows, N] (the output heads)."""
     from onnx import TensorProto, helper
 
-    g = _GraphBuilder(weight_format)
+    g = GraphBuilder(weight_format)
     n, k = weight.shape
     g.linear("x", weight, out="y")
     graph = helper.make_graph(
         g.nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])], g.initializers,
     )
-    return _model(graph)
+    return onnx_model(graph)
 
 
-def _model(graph: Any) -> Any:
+def onnx_model(graph: Any) -> Any:
+    """`graph` as a model of the opsets and IR version the backend's sessions load."""
     from onnx import helper
 
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]

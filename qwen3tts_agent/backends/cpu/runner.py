@@ -1,7 +1,7 @@
 """`CpuRunner`: the engine's `ModelRunner`, with the talker and the code predictor run as ONNX Runtime graphs.
 
 Everything the engine sees stays as it is: the slot tables, the text track and the frame outputs are
-`ModelRunner`'s own, and the draws between the graph calls give `engine.sampling.sample`'s tokens bit for bit,
+`ModelRunner`'s own, and the draws between the graph calls give `engine.runner.sampling.sample`'s tokens bit for bit,
 in fewer PyTorch ops (`draws`: right after a graph call every op is slow). What changes is where the bytes are read:
 a talker step is one call of the talker graph over rows 0..b-1, a predictor step one call of the predictor
 graph, and in the int8 and int4 formats each predictor head is one 8- or 4-bit GEMV. At batch 1 a frame reads
@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...engine.runner import ModelRunner, PrefillRow
-from ...engine.sampling import DEFAULT_TOP_K_CAP, SamplerRows, apply_repetition_penalty
+from ...engine.runner import DEFAULT_TOP_K_CAP, ModelRunner, PrefillRow, SamplerRows, apply_repetition_penalty
 from ...models.compat import OfficialModule
 from .draws import Sampler
 from .session import BoundSession, SpareCores

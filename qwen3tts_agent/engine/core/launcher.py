@@ -1,0 +1,183 @@
+"""When the next frame step goes, and what a completed one means (`StepLauncher`).
+
+The core's loop asks it once a turn to launch and to collect. Launching decides whether a step goes now: a
+step of the first-frame slots alone for new streams under load; a batched step of every runnable stream
+when the pacer says the device is about to need one, which under load also waits for the step clock's
+tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), while new
+streams step in the first-frame slots (by a wider margin), and while urgent codec work has the device, each
+unless a stream's next chunk would then be late. Collecting reads the steps that have completed back into
+the scheduler and starts decoding the chunks that are due.
+
+It holds no request state of its own (that is the `Scheduler`'s) and no device work (that is `FrameSteps`'s
+and the `AudioPipeline`'s): only the facts that last from one turn to the next, until when a held step may
+wait and whether it waited for a new stream's audio.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from ..audio import AudioPipeline
+from ..runner import FrameSteps, ModelRunner
+from ..scheduler import RequestState, Scheduler, StepPacer, step_timing
+from ..types import SamplingParams
+from .config import CoreStats
+
+# Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
+# for it (see `step_timing.steps_can_wait`), so the codec lane gets the device before listeners starve.
+URGENT_AUDIO_S = 0.06
+# On a CPU, a step waits this many (recent batched) steps' time at most for a first chunk being decoded.
+FIRST_AUDIO_WAIT_STEPS = 0.5
+
+
+class StepLauncher:
+    """Queues the frame steps now due and reads the completed ones; called on the core's thread only."""
+
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, steps: FrameSteps, pacer: StepPacer, audio: AudioPipeline,
+        stats: CoreStats, sampling: Mapping[str, SamplingParams], *, first_audio_alone: bool = False,
+    ) -> None:
+        """`sampling`: each live request's sampling parameters, by request id (the core keeps it).
+        `first_audio_alone`: a step waits while a new stream's first frame runs and its first chunk decodes at
+        any load, not only when paced (`CoreConfig.first_audio_alone`)."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self.steps = steps
+        self.pacer = pacer
+        self.audio = audio
+        self.stats = stats
+        self._sampling = sampling
+        self._first_audio_alone = first_audio_alone
+        self._release: float | None = None  # until when a held step may wait (Scheduler.pace_release)
+        self._early_release: float | None = None  # ... and while new streams step alone (Scheduler.early_release)
+        self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
+
+    def launch(self) -> bool:
+        """Queue the steps now due: new streams' first frames at once (under load, in first-frame slots), and
+        one frame for every runnable request when the pacer says the device is about to need it."""
+        first = self._launch_first_frames()
+        return self._launch_step() or first
+
+    def collect(self) -> bool:
+        """Read every completed step (oldest first) and start decoding the chunks that are due; whether any
+        step had completed."""
+        progressed = False
+        for step in self.steps.completed():
+            gpu_seconds = step.device_seconds()
+            self.pacer.completed(gpu_seconds)
+            out = step.host.numpy()
+            now = time.perf_counter()
+            if gpu_seconds is not None and step.batched:
+                self.scheduler.load.record_step_time(gpu_seconds, now)
+            self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
+            plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
+            self._release = self._early_release = None
+            self.scheduler.on_step_done(step.seq)
+            if plans:
+                self.audio.decode(plans, now, self.scheduler.audio_streams())
+            progressed = True
+        return progressed
+
+    def replan(self) -> None:
+        """A stream's need changed (a chunk left): a held step's release is worked out afresh. (A chunk leaving
+        only moves a release later, so the wait for new streams, worked out over every row, keeps its own until
+        the next step is queued or read.)"""
+        self._release = None
+
+    def clear(self) -> None:
+        """Forget the steps in flight (after a failed step: their requests have failed)."""
+        self.steps.clear()
+        self.pacer.clear()
+        self._release = self._early_release = None
+
+    def _launch_first_frames(self) -> bool:
+        """A step of the first-frame slots alone, for new streams whose next frame can run there, right behind
+        the step in flight instead of behind it and a whole batched step of their own; the streams that no
+        longer need those slots move above them first."""
+        if not self.scheduler.first_frame_slots or not self.pacer.may_queue():
+            return False
+        now = time.perf_counter()
+        period = self.pacer.step_period_s
+        self._move_settled(now)
+        rows = self.scheduler.first_frame_rows(now, period)
+        if not rows:
+            return False
+        self._queue_step(rows, now, batched=False)
+        self.stats.first_frame_steps += 1
+        return True
+
+    def _move_settled(self, now: float) -> None:
+        """Move the streams that leave the first-frame slots (`Scheduler.moves`): copies on the steps' stream,
+        so the steps queued next find them at their new slots."""
+        for request, old, new in self.scheduler.moves(now, self.pacer.step_period_s):
+            self.runner.move_slot(old, new, request.position, request.track_len)
+
+    def _launch_step(self) -> bool:
+        """Queue one frame for every runnable request, when the pacer says the device is about to need it (and,
+        under load, when its step clock says so)."""
+        now = time.perf_counter()
+        if not self.pacer.may_launch(now):
+            return False
+        rows = self.scheduler.runnable()
+        if not rows or self._awaits_first_audio(now):
+            return False
+        period = self.pacer.step_period_s
+        paced = self.scheduler.paced(rows)
+        early = paced and not self.pacer.clock_due(now)
+        # A paced step (any step that carries no first frame, with `first_audio_alone`) also waits while a new
+        # stream's first frame runs and its first chunk decodes: their kernels then have the device to
+        # themselves instead of queueing for it behind the step's.
+        may_hold = paced or (self._first_audio_alone and all(r.frames_launched for r in rows))
+        held = early or (
+            may_hold and (step_timing.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
+        )
+        if held:
+            if self._release is None:  # until the next step, collect or delivery changes a stream's need
+                self._release = self.scheduler.pace_release(rows, now, period)
+            if now < self._release:
+                self._waited_for_audio |= not early
+                return False
+        if self._early_release is None:  # while new streams step in the first-frame slots, it waits for them
+            self._early_release = self.scheduler.early_release(rows, now, period)
+        if now < self._early_release:
+            self._waited_for_audio = True
+            return False
+        if self.audio.urgent(now, URGENT_AUDIO_S) and step_timing.steps_can_wait(rows, now):
+            self.stats.steps_deferred += 1
+            return False
+        self._move_settled(now)  # out of first-frame slots, right before this step
+        self._queue_step(rows, now)
+        self.stats.clock_releases += early
+        self.stats.first_audio_holds += self._waited_for_audio
+        self._waited_for_audio = False
+        return True
+
+    def _awaits_first_audio(self, now: float) -> bool:
+        """On a CPU whose codec has a thread of its own a step holds this thread for its whole length, and
+        delivers nothing meanwhile. A stream's first chunk that has been decoding for half a step (a decode
+        beside a step takes about one) is waited for, up to half a step; when it came, the step goes next
+        turn, after the chunk has gone out."""
+        half_step = FIRST_AUDIO_WAIT_STEPS * self.scheduler.load.step_seconds(now)
+        return self.audio.wait_for_first_audio(half_step, older_than_s=half_step)
+
+    def _queue_step(self, rows: list[RequestState], now: float, *, batched: bool = True) -> None:
+        self._release = self._early_release = None
+        slots: list[int] = []
+        for request in rows:
+            assert request.slot is not None  # runnable rows always hold a slot
+            slots.append(request.slot)
+        kv_len = max(r.position for r in rows) + 1
+        step = self.steps.queue(
+            self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
+        )
+        if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
+            ended = time.perf_counter()
+            self.scheduler.load.record_step_time(ended - now, ended)
+        self.pacer.launched(step.bucket, now, batched=batched)
+        self.stats.steps += 1
+
+    def _sampling_below(self, b: int) -> tuple[bool, bool]:
+        """Whether any request in slots [0, b) samples its talker token, and its predictor codes."""
+        in_batch = [self._sampling[r.request_id] for r in self.scheduler.running.values() if r.slot is not None and r.slot < b]
+        return any(s.do_sample for s in in_batch), any(s.subtalker_do_sample for s in in_batch)

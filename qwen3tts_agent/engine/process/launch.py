@@ -1,0 +1,27 @@
+"""What an engine-core process is started with (`CoreLaunch`), shared by its supervisor and the process itself.
+
+A module of its own so that the supervisor (`supervisor.py`, no torch) and the code inside the process
+(`core_server.py`) both read it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The step loop and the I/O thread share the core process's interpreter lock: a short switch interval lets
+# the I/O thread forward a request or an audio chunk within about a millisecond of it being ready.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class CoreLaunch:
+    """What an engine-core process loads and how it serves."""
+
+    model: str
+    address: str  # ZeroMQ address to bind, e.g. ipc:///tmp/qwen3tts-core.sock or tcp://127.0.0.1:5555
+    device: str = "auto"
+    dtype: str = "auto"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    warmup: bool = True
+    log_level: str = "INFO"

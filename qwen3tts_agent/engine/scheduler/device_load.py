@@ -1,0 +1,99 @@
+"""How loaded the device is now, from what the core reports (no tensors): batched steps' times and late chunks.
+
+Two decisions rest on it. New streams are refused (`overloaded`, the engine's `busy`) while the batched steps
+of the last `STEP_WINDOW_S` took, on average, too large a share of a frame's playing time, or while several
+chunks left after their listeners needed them within the last `LATE_WINDOW_S`: admitted streams keep their
+audio flowing rather than every stream starving a little. And for `FIRST_FRAME_PAUSE_S` after a chunk left
+late, new streams take no first-frame slot (`first_frames_paused`; `engine/scheduler/scheduler.py` says why).
+
+Refusal is a statement about load now, so every piece of evidence fades with time, not with steps: a single
+long step (a first Triton compile for new shapes, a graph capture, a stall) counts for `STEP_WINDOW_S` after
+it ended and then not at all, whether or not steps ran since. (A moving average over steps never forgot one:
+with nothing stepping, an engine refused every stream from then on.) An engine with no stream live admits
+whatever this evidence says (`Scheduler.overloaded`).
+
+The core's thread records; callers' threads read (admission, stats): a lock keeps the two apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass
+
+from .requests import FRAME_SECONDS
+
+# Refuse new streams while the recent batched steps took longer, on average, than a frame's duration divided by
+# this...
+MIN_STEP_RATE_OVER_REAL_TIME = 1.5
+# ... the steps that ended within this many seconds (none: no evidence, the device is not slow) ...
+STEP_WINDOW_S = 1.0
+# ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
+LATE_WINDOW_S = 1.0
+LATE_CHUNKS_TO_SHED = 3
+# For this long after a chunk left late, new streams take no first-frame slot.
+FIRST_FRAME_PAUSE_S = 2.0
+
+
+@dataclass
+class LoadStats:
+    late_chunks: int = 0
+    underrun_seconds: float = 0.0
+
+
+class DeviceLoad:
+    """The batched steps' recent times and the chunks that left late, each kept for a while after it happened."""
+
+    def __init__(self) -> None:
+        self.stats = LoadStats()
+        self._lock = threading.Lock()
+        self._steps: collections.deque[tuple[float, float]] = collections.deque()  # (ended at, seconds), oldest first
+        self._step_total = 0.0  # the seconds in `_steps`
+        self._late_at: collections.deque[float] = collections.deque()  # recent late deliveries
+        self._last_late = -math.inf  # when a chunk last left late
+
+    def record_step_time(self, seconds: float, now: float) -> None:
+        """A batched step that ended at `now` took `seconds` on the device: steps near a frame's duration leave
+        streams no headroom (`overloaded`), and a pressed stream's frames come one batched step each
+        (`Scheduler.pace_release`). The core leaves out the first-frame slots' steps: a few rows, far quicker
+        than a batched step beside them, they would make both figures too low under load."""
+        with self._lock:
+            self._steps.append((now, seconds))
+            self._step_total += seconds
+            self._forget_steps(now)
+
+    def step_seconds(self, now: float) -> float:
+        """The mean time of the batched steps that ended within `STEP_WINDOW_S` before `now`; 0.0 if none did
+        (nothing recent to go by)."""
+        with self._lock:
+            self._forget_steps(now)
+            return self._step_total / len(self._steps) if self._steps else 0.0
+
+    def _forget_steps(self, now: float) -> None:
+        while self._steps and now - self._steps[0][0] > STEP_WINDOW_S:
+            self._step_total -= self._steps.popleft()[1]
+        if not self._steps:
+            self._step_total = 0.0  # no rounding left over from the subtractions
+
+    def on_delivered(self, deadline: float, now: float) -> None:
+        """A chunk due at `deadline` left the core at `now`: book it if it left late."""
+        if now > deadline:
+            with self._lock:
+                self._last_late = now
+                self.stats.late_chunks += 1
+                self.stats.underrun_seconds += now - deadline
+                self._late_at.append(now)
+
+    def overloaded(self, now: float) -> bool:
+        """Whether the recent evidence says the device runs behind its streams: the steps of the last
+        `STEP_WINDOW_S` were slow, or several chunks left late within the last `LATE_WINDOW_S`."""
+        slow = self.step_seconds(now) > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
+        with self._lock:
+            while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
+                self._late_at.popleft()
+            return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
+
+    def first_frames_paused(self, now: float) -> bool:
+        """Whether new streams skip the first-frame slots: a chunk left late less than FIRST_FRAME_PAUSE_S ago."""
+        return now - self._last_late < FIRST_FRAME_PAUSE_S

@@ -1,0 +1,98 @@
+"""Refusing new streams (`shed_when_behind`) is a statement about load now: the real engine on the CPU, driven
+through one slow step (issue 42: one slow step made an idle engine refuse every stream from then on).
+
+The slow step is the runner's own frame step with a sleep before it, once (`_slow_step_once`): on the CPU the
+core times a batched step around that call (`StepLauncher._queue_step`), so the sleep is the step's time, as
+a first Triton compile or a graph capture is inside a GPU step's events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from qwen3tts_agent import Engine, SamplingParams, Voice
+from qwen3tts_agent.engine.scheduler import device_load
+from qwen3tts_agent.errors import EngineOverloadedError
+from tests.engine_helpers import engine_for, xvector_voice
+
+TEXT = "Hello there, how can I help you today?"
+SLOW_STEP_S = 2.0  # far past a frame's 80 ms: a compile or a capture
+WINDOW_S = 2.0  # the step window for these tests (default 1 s), so that the evidence is surely fresh when read
+
+
+def _slow_step_once(engine: Engine, call: int) -> Callable[[], list[float]]:
+    """Make the runner's `call`-th frame step (1-based) sleep SLOW_STEP_S first; returns a function that gives
+    when every frame step so far ended."""
+    runner = engine.core.runner
+    frame_step = runner.frame_step
+    ends: list[float] = []
+
+    def step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(ends) + 1 == call:
+            time.sleep(SLOW_STEP_S)
+        frame_step(*args, **kwargs)
+        ends.append(time.perf_counter())
+
+    runner.frame_step = step  # type: ignore[method-assign]
+    return lambda: list(ends)
+
+
+def _sampling(frames: int) -> SamplingParams:
+    return SamplingParams.greedy(max_frames=frames, ignore_eos=True)
+
+
+@pytest.fixture()
+def engine(monkeypatch: pytest.MonkeyPatch) -> Engine:
+    monkeypatch.setattr(device_load, "STEP_WINDOW_S", WINDOW_S)
+    engine = engine_for("synthetic:tiny", max_streams=2, shed_when_behind=True)
+    yield engine
+    engine.close()
+
+
+def test_after_one_slow_step_an_engine_with_nothing_live_admits_the_next_stream(engine: Engine) -> None:
+    """The issue's case: a stream's step takes seconds (here its last one), the stream ends, and the next
+    request, with nothing else running, is admitted at once and runs to completion."""
+    voice: Voice = xvector_voice(engine)
+    frames = 6
+    step_ends = _slow_step_once(engine, call=frames)
+    _, first = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(frames))
+    assert first.frames == frames and len(step_ends()) == frames
+    load = engine.core.scheduler.load
+    now = time.perf_counter()
+    assert now - step_ends()[-1] < WINDOW_S and load.step_seconds(now) > SLOW_STEP_S / frames
+    assert load.overloaded(now)  # the device's recent steps say it is behind, yet nothing is live:
+    assert not engine.stats().overloaded
+    pcm, second = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(frames))
+    assert second.finish_reason == "max_frames" and second.frames == frames and len(pcm) == frames * 1920
+
+
+def test_a_slow_step_refuses_new_streams_beside_a_live_one_until_it_is_a_window_old(engine: Engine) -> None:
+    """A stream waits for more text (an LLM's next tokens) after one of its steps took seconds: while that step
+    is recent, new streams are refused; a window after it, with no step since, they are admitted again."""
+    voice = xvector_voice(engine)
+    step_ends = _slow_step_once(engine, call=2)
+    waiting = engine.open_stream(voice=voice, sampling=_sampling(200))
+    waiting.push_text("Hello there, how can I help you with your order today, and ")  # frames, then a wait for text
+    deadline = time.monotonic() + 60
+    quiet_since, seen = time.monotonic(), 0
+    while seen < 2 or time.monotonic() - quiet_since < 0.3:  # the slow step ran, and then its text was used up
+        assert time.monotonic() < deadline, "the stream never stopped stepping"
+        if len(step_ends()) != seen:
+            quiet_since, seen = time.monotonic(), len(step_ends())
+        time.sleep(0.02)
+    assert not waiting.done  # live, waiting for text
+    last_step = step_ends()[-1]
+    assert time.perf_counter() - step_ends()[1] < WINDOW_S
+    with pytest.raises(EngineOverloadedError):
+        engine.open_stream(TEXT, voice=voice, sampling=_sampling(4))
+    # no step runs from here on until a new stream is admitted: the evidence fades with time alone
+    time.sleep(max(0.0, last_step + max(WINDOW_S, device_load.LATE_WINDOW_S) + 0.05 - time.perf_counter()))
+    assert len(step_ends()) == seen
+    pcm, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(4))
+    assert result.finish_reason == "max_frames" and len(pcm) == 4 * 1920
+    waiting.push_text("what else?")
+    waiting.close_input()
+    assert sum(chunk.frame_end - chunk.frame_start for chunk in waiting.chunks(timeout=60)) == waiting.result.frames > seen

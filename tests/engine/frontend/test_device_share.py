@@ -1,0 +1,47 @@
+"""Engines sharing a GPU (Ray replicas of `num_gpus` 0.5): each engine's slots fit its share of the memory.
+
+Two 128-slot 0.6B replicas on one 80 GB H100 ran out of memory (benchmarks/results/2026-12-05-h100-ray-1gpu):
+Ray splits a GPU's compute between fractional replicas, not its memory, and each engine counted the whole
+free memory as its own. The arithmetic is checked here; its use on a GPU needs one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen3tts_agent.engine.frontend.engine import Engine, memory_for_slots
+from qwen3tts_agent.ray.settings import RayServeSettings
+
+GIB = 2**30
+
+
+def test_a_whole_device_offers_what_is_free() -> None:
+    memory, source = memory_for_slots(free=70 * GIB, total=80 * GIB, taken=2 * GIB, device_share=1.0)
+    assert memory == 70 * GIB
+    assert "70.0 GiB free" in source
+
+
+def test_a_share_is_of_the_whole_device_less_what_this_engine_took() -> None:
+    # both replicas start at once: each sees ~78 GiB free, but may take only half the device less its weights
+    memory, source = memory_for_slots(free=78 * GIB, total=80 * GIB, taken=2 * GIB, device_share=0.5)
+    assert memory == 38 * GIB
+    assert "0.5 of 80.0 GiB" in source
+
+
+def test_a_share_never_exceeds_what_is_free() -> None:
+    memory, _ = memory_for_slots(free=10 * GIB, total=80 * GIB, taken=2 * GIB, device_share=0.5)
+    assert memory == 10 * GIB
+    memory, _ = memory_for_slots(free=10 * GIB, total=80 * GIB, taken=50 * GIB, device_share=0.5)
+    assert memory == 0
+
+
+def test_ray_replicas_below_one_gpu_build_engines_with_their_share() -> None:
+    assert RayServeSettings(model="synthetic:tiny", num_gpus=0.5).engine_kwargs()["device_share"] == 0.5
+    assert "device_share" not in RayServeSettings(model="synthetic:tiny", num_gpus=1.0).engine_kwargs()
+    assert "device_share" not in RayServeSettings(model="synthetic:tiny", num_gpus=0.0).engine_kwargs()  # CPU
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="device_share"):
+        Engine.load("synthetic:tiny", device="cpu", progress=False, device_share=share)

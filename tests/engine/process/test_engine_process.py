@@ -1,0 +1,218 @@
+"""The engine core in a process of its own, driven through `EngineClient`s in this and other processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from qwen3tts_agent import SamplingParams, TextLayout, Voice
+from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, ipc
+from qwen3tts_agent.engine.process.core_server import cpu_pool_default
+from qwen3tts_agent.errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    InvalidReferenceAudioError,
+    InvalidTextError,
+)
+from tests.engine_helpers import TEXT, engine_for, reference_audio
+
+GREEDY = SamplingParams.greedy(max_frames=8)
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineProcess:
+    address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-core-{os.getpid()}.sock"
+    process = EngineProcess(
+        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 4, "keep_codes": True, "backend": "torch"}, warmup=False),
+        backoff_s=(0.2, 1.0),
+    )
+    process.start(timeout=180)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(core: EngineProcess) -> EngineClient:
+    client = EngineClient.connect(core.address, timeout=60)
+    yield client
+    client.close()
+
+
+def test_a_client_speaks_exactly_as_the_in_process_engine(client: EngineClient) -> None:
+    local = engine_for("synthetic:tiny", max_streams=1)
+    try:
+        for engine in (local, client):
+            assert engine.model_type == "base" and "english" in engine.languages
+        voice_local = Voice(prompt=local.create_voice(reference_audio(), "This is my voice."))
+        voice_remote = Voice(prompt=client.create_voice(reference_audio(), "This is my voice."))
+        assert voice_local.prompt.voice_id == voice_remote.prompt.voice_id
+        pcm_local, result_local = local.synthesize_blocking(TEXT, voice=voice_local, sampling=GREEDY)
+        stream = client.open_stream(voice=voice_remote, sampling=GREEDY)
+        for word in TEXT.split(" "):
+            stream.push_text(word + " ")
+        stream.close_input()
+        pcm_remote = np.concatenate([c.pcm for c in stream.chunks(timeout=60)])
+        assert stream.result.codes == result_local.codes and len(stream.result.codes) == 8
+        np.testing.assert_allclose(pcm_remote, pcm_local, atol=1e-5)
+        assert stream.result.finish_reason == "max_frames" and stream.result.first_audio_latency is not None
+    finally:
+        local.close()
+
+
+def test_errors_cross_the_process_boundary_typed(client: EngineClient) -> None:
+    with pytest.raises(InvalidReferenceAudioError):
+        client.create_voice((np.zeros(24000, np.float32), 24000), None, x_vector_only=True)  # silent
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    too_long = client.open_stream("1234567890" * 300, voice=voice, text_layout=TextLayout.PREFILL, sampling=GREEDY)
+    with pytest.raises(InvalidTextError, match="positions"):  # the core refuses the prompt: typed, not generic
+        list(too_long.chunks(timeout=60))
+    time.sleep(0.6)
+    assert client.stats().errors >= 1 and client.stats().healthy
+
+
+def _doomed_client(address: str, started: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+    client = EngineClient.connect(address, timeout=60)
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    stream = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=2000, ignore_eos=True))
+    next(stream.chunks(timeout=60))
+    started.set()
+    time.sleep(600)  # killed long before
+
+
+def test_a_killed_client_loses_only_its_own_streams(core: EngineProcess, client: EngineClient) -> None:
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    doomed = context.Process(target=_doomed_client, args=(core.address, started))
+    doomed.start()
+    try:
+        assert started.wait(120)
+        voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+        mine = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=40, ignore_eos=True))
+        first = next(mine.chunks(timeout=60))
+        doomed.kill()
+        rest = list(mine.chunks(timeout=60))
+        assert first.frame_start == 0 and rest[-1].frame_end == 40
+        deadline = time.monotonic() + 30  # the core notices the silent client and frees its slot
+        while client.stats().active_streams and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.stats().active_streams == 0
+    finally:
+        doomed.kill()
+        doomed.join()
+
+
+def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, client: EngineClient) -> None:
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+    stream = client.open_stream(TEXT, voice=voice, sampling=SamplingParams(max_frames=2000, ignore_eos=True))
+    next(stream.chunks(timeout=60))
+    core.kill()
+    killed = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        list(stream.chunks(timeout=30))
+    assert time.monotonic() - killed < 2.0
+    assert not client.healthy
+    with pytest.raises(EngineNotReadyError):
+        client.open_stream("Too soon.", voice=voice)
+    deadline = time.monotonic() + 120
+    while not client.healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.healthy and core.restarts == 1
+    voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))  # a fresh core's cache
+    pcm, result = client.synthesize_blocking("Back again.", voice=voice, sampling=SamplingParams(max_frames=3))
+    assert result.frames == 3 and len(pcm) == 3 * 1920
+
+
+def test_connect_waits_for_a_core_until_told_to_give_up(tmp_path) -> None:
+    """A worker waiting for a core that will never serve stops when `give_up` says why; without it, at the
+    timeout. Nothing listens at the address."""
+    address = f"ipc://{tmp_path}/nobody.sock"
+    asked = []
+
+    def give_up() -> str | None:
+        asked.append(time.monotonic())
+        return "the engine core failed to start: no such model" if len(asked) >= 2 else None
+
+    started = time.monotonic()
+    with pytest.raises(EngineNotReadyError, match="no such model"):
+        EngineClient.connect(address, timeout=None, give_up=give_up)
+    assert len(asked) == 2 and time.monotonic() - started < 5
+    with pytest.raises(EngineNotReadyError, match="within 0.3 s"):
+        EngineClient.connect(address, timeout=0.3)
+
+
+def _welcomes(dealer: zmq.Socket, seconds: float) -> int:
+    """How many welcomes `dealer` receives within `seconds` (other messages, e.g. stats, are skipped)."""
+    count, deadline = 0, time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if dealer.poll(int(left * 1000)):
+            count += dealer.recv_multipart()[0] == ipc.WELCOME
+    return count
+
+
+def test_a_burst_of_hellos_gets_one_welcome_and_a_later_hello_another(core: EngineProcess) -> None:
+    """ZeroMQ queues a client's hellos while the core starts, and they arrive together: each welcome carries
+    the tokenizer (megabytes), so the burst is answered once. A hello after the burst is answered again:
+    a client that lost the core must be able to come back."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"burst-test")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(core.address)
+    try:
+        for _ in range(20):
+            dealer.send_multipart([ipc.HELLO])
+        assert _welcomes(dealer, 1.0) == 1
+        dealer.send_multipart([ipc.HELLO])
+        assert _welcomes(dealer, 1.0) == 1
+        dealer.send_multipart([ipc.BYE])
+    finally:
+        dealer.close()
+        context.term()
+
+
+def test_the_core_process_shares_one_cpu_pool_from_four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below four cores the frame steps have one thread, and a pool per graph lets them borrow the codec's
+    idle cores; from four the graphs share ONNX Runtime's one pool (docs/cpu-backend.md)."""
+    for cores, pool in ((1, "session"), (2, "session"), (3, "session"), (4, "shared"), (16, "shared")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda cores=cores: cores)
+        assert cpu_pool_default() == {"QWEN3TTS_CPU_POOL": pool}
+
+
+def test_the_core_process_runs_the_cpu_graphs_on_its_pool() -> None:
+    """On a CPU the core process puts the int8 graphs on ONNX Runtime's shared pool from four cores (it runs
+    no other ONNX Runtime sessions, which that pool would refuse); an in-process engine keeps a pool per
+    graph, so that other libraries' sessions in the caller's process (Silero VAD) still load. Both speak
+    the same codes."""
+    address = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/qwen3tts-test-int8-core-{os.getpid()}.sock"
+    process = EngineProcess(
+        CoreLaunch("synthetic:tiny", address, engine_kwargs={"max_streams": 2, "keep_codes": True, "backend": "int8"},
+                   warmup=False),
+        restart=False,
+    )
+    local = engine_for("synthetic:tiny", max_streams=2, backend="int8")
+    process.start(timeout=180)
+    try:
+        client = EngineClient.connect(address, timeout=60)
+        try:
+            deadline = time.monotonic() + 10
+            while not client.stats().kernel_paths and time.monotonic() < deadline:  # the core's stats come every 250 ms
+                time.sleep(0.05)
+            shared = cpu_pool_default()["QWEN3TTS_CPU_POOL"] == "shared"
+            assert client.stats().kernel_paths["talker"] == f"onnxruntime (int8{', shared pool' if shared else ''})"
+            assert local.stats().kernel_paths["talker"] == "onnxruntime (int8)"
+            voice = Voice(prompt=local.create_voice(reference_audio(), "This is my voice."))
+            remote = Voice(prompt=client.create_voice(reference_audio(), "This is my voice."))
+            _, ours = local.synthesize_blocking(TEXT, voice=voice, sampling=GREEDY)
+            _, theirs = client.synthesize_blocking(TEXT, voice=remote, sampling=GREEDY)
+            assert theirs.codes == ours.codes and len(ours.codes) == 8
+        finally:
+            client.close()
+    finally:
+        local.close()
+        process.stop()
