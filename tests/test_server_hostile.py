@@ -20,9 +20,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from qwen3tts_agent import Engine
+from qwen3tts_agent.engine.frontend import engine as engine_module
 from qwen3tts_agent.server import protocol
 from qwen3tts_agent.server.connections import BoundedWebSocketProtocol, uvicorn_config
 from qwen3tts_agent.server.protocol import ERROR_STATUS
+from tests.engine_helpers import engine_for
 from tests.server_fixtures import (
     API_KEY,
     AUTH,
@@ -295,6 +297,94 @@ def test_half_open_and_idle_http_connections_are_closed(server_engine: Engine, t
         assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer and took < 3
         for sock in (partial, silent, trickle, keep_alive, slow_body):
             sock.close()
+
+
+def test_a_body_answered_early_must_still_arrive_in_time(server_engine: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """A request answered before its body was read (401: the route never reads it, so no body deadline starts)
+    kept its connection for as long as the body trickled in: the rest must come within the read timeout."""
+    config = make_config(tmp_path, http_read_timeout_s=0.5, keep_alive_timeout_s=5.0)
+    head = (
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{"
+    )
+    with running_server(config, engine=server_engine) as srv:
+        trickled = socket.create_connection(("127.0.0.1", srv.port))
+        trickled.sendall(head)
+        trickled.settimeout(5)
+        answer = trickled.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 401"), answer
+        answered, closed_after = time.monotonic(), None
+        trickled.settimeout(0.05)
+        while time.monotonic() - answered < 6:  # a byte every 0.1 s would take 20 s to finish the body
+            try:
+                trickled.send(b" ")
+                if trickled.recv(4096) == b"":
+                    closed_after = time.monotonic() - answered
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_after = time.monotonic() - answered
+                break
+            time.sleep(0.1)
+        assert closed_after is not None and closed_after < 3, closed_after
+
+        prompt = socket.create_connection(("127.0.0.1", srv.port))  # the rest in time: the connection goes on
+        prompt.settimeout(5)
+        prompt.sendall(head)
+        assert prompt.recv(4096).startswith(b"HTTP/1.1 401")
+        prompt.sendall(b" " * 199)
+        time.sleep(0.8)  # past the read timeout: its deadline ended with the body
+        prompt.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        while not response.endswith(b'{"status":"ok"}'):
+            response += prompt.recv(4096)
+        assert b"HTTP/1.1 200" in response  # after what was left of the 401's answer
+        for sock in (trickled, prompt):
+            sock.close()
+
+
+async def test_a_session_open_while_the_core_restarts_fails_that_utterance_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An utterance flushed while the engine restarts after a core death gets `not_ready` and its `done`, and the
+    session speaks again once the engine is back (it was closed with internal_error and 1011)."""
+    monkeypatch.setattr(engine_module, "RESTART_BACKOFF_S", (3.0, 3.0))  # time to speak while the core is down
+    engine = engine_for("synthetic:tiny", max_streams=2)
+    try:
+        with running_server(make_config(tmp_path), engine=engine) as srv:
+            async with ws_connect(srv) as ws:
+                await start_session(ws, sampling=SHORT)
+                runner = engine.core.runner
+
+                def broken(*args: object, **kwargs: object) -> None:
+                    raise RuntimeError("the device is gone")
+
+                monkeypatch.setattr(runner, "frame_step", broken)  # three failed steps in a row: the core stops
+                for _ in range(3):
+                    await send_json(ws, {"type": "text", "text": "Hello there."})
+                    await send_json(ws, {"type": "flush"})
+                    msg = await recv_json(ws)
+                    while msg["type"] != "done":
+                        msg = await recv_json(ws)
+                    if not engine.healthy:
+                        break
+                await async_wait_for(lambda: not engine.healthy, 10, "the core stopped")
+
+                await send_json(ws, {"type": "text", "text": "Are you there?"})
+                await send_json(ws, {"type": "flush"})
+                refused = await expect_error(ws, "not_ready")
+                done = await recv_json(ws)
+                assert done["type"] == "done" and done["finish_reason"] == "error", done
+                assert done["utterance_id"] == refused["utterance_id"]
+
+                await async_wait_for(lambda: engine.healthy, 30, "the core restarted")
+                await send_json(ws, {"type": "text", "text": "Now you are."})
+                await send_json(ws, {"type": "flush"})
+                heard = await listen(ws, 1)
+                assert [h.done["finish_reason"] for h in heard.values() if h.done] == ["max_frames"]
+    finally:
+        engine.close()
 
 
 # ---------------------------------------------------------------------- the contract, written down

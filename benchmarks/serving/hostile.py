@@ -1121,6 +1121,8 @@ def checks(report: dict[str, Any], options: Options) -> dict[str, dict[str, Any]
         served = report["core_kill"]["served_after_s"]
         check(f"engine core restarted and served within {options.restart_bound_s:g} s", served is not None,
               served, f"<= {options.restart_bound_s:g}")
+        restarts = report["server_counters"]["engine_restarts"]
+        check("the engine's restarts count the killed core", restarts >= 1, restarts, ">= 1")
         survivor = report["core_kill"]["open_session"]
         check("a session open across the core kill: refused while it was down, spoken after", survivor is None,
               survivor, None)

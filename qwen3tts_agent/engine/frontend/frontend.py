@@ -116,7 +116,7 @@ class EngineStats:
     underrun_seconds: float = 0.0  # how late, summed
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
     healthy: bool = True  # the core is running (False while it restarts or after it died)
-    restarts: int = 0
+    restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
     device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run
     core_rss_bytes: int = 0  # resident memory of the process that runs the core
     kernel_paths: dict[str, str] = field(default_factory=dict)  # which decoder stacks run as Triton kernels

@@ -78,9 +78,10 @@ def _dead(exc: BaseException) -> EngineDeadError:
 class CoreServer:
     """Bridges a ROUTER socket to a hosted engine's core (see the module docstring)."""
 
-    def __init__(self, engine: HostedEngine, address: str) -> None:
+    def __init__(self, engine: HostedEngine, address: str, *, process_restarts: int = 0) -> None:
         self.engine = engine
         self.address = address
+        self.process_restarts = process_restarts  # core processes started before this one (`CoreLaunch`)
         self.instance = uuid.uuid4().hex
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._out_address = f"inproc://qwen3tts-core-out-{self.instance}"
@@ -204,7 +205,9 @@ class CoreServer:
         self._push([identity, ipc.VOICE_DONE, ipc.pack(reply)])
 
     def _publish_stats(self, router: zmq.Socket, now: float) -> None:
-        stats = ipc.encode_stats(self.engine.stats())
+        stats = self.engine.stats()
+        stats.restarts += self.process_restarts
+        encoded = ipc.encode_stats(stats)
         with self._lock:
             clients = list(self._clients.items())
         for identity, heard in clients:
@@ -212,7 +215,7 @@ class CoreServer:
                 logger.warning("engine client %s went silent; aborting its requests", identity.hex())
                 self._forget(identity)
             else:
-                router.send_multipart([identity, ipc.STATS, stats])
+                router.send_multipart([identity, ipc.STATS, encoded])
 
     def _forget(self, identity: bytes) -> None:
         self._welcomed.pop(identity, None)
@@ -273,7 +276,7 @@ def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
         loaded = time.perf_counter()
         if launch.warmup:
             engine.warmup(progress=False)
-        server = CoreServer(engine, launch.address)
+        server = CoreServer(engine, launch.address, process_restarts=launch.process_restarts)
         server.start()
         logger.info("engine core started in %.1f s: imports and weights %.1f s, warm-up %.1f s",
                     time.perf_counter() - started, loaded - started, time.perf_counter() - loaded)

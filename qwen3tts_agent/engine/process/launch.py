@@ -25,3 +25,6 @@ class CoreLaunch:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     warmup: bool = True
     log_level: str = "INFO"
+    # core processes the supervisor started before this one after one died: added to the engine's `restarts`, so
+    # an operator sees a killed and restarted core in the statistics the fresh one reports (`EngineProcess`)
+    process_restarts: int = 0

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -70,9 +71,10 @@ class EngineProcess:
         )
         self._watcher.start()
 
-    def _spawn(self, timeout: float | None) -> None:
+    def _spawn(self, timeout: float | None, *, restarting: bool = False) -> None:
         receiver, sender = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=run_core, args=(self.launch, sender), name="qwen3tts-core", daemon=False)
+        launch = replace(self.launch, process_restarts=self.restarts + restarting)
+        process = self._context.Process(target=run_core, args=(launch, sender), name="qwen3tts-core", daemon=False)
         process.start()
         sender.close()
         self._process = process
@@ -108,7 +110,7 @@ class EngineProcess:
             if self._stopping.wait(wait):
                 return
             try:
-                self._spawn(timeout=None)
+                self._spawn(timeout=None, restarting=True)
                 self.restarts += 1
             except RuntimeError:
                 logger.exception("restarting the engine core failed")

@@ -123,6 +123,9 @@ def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, 
     while not client.healthy and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.healthy and core.restarts == 1
+    while client.stats().restarts != 1 and time.monotonic() < deadline:  # the fresh core's first stats
+        time.sleep(0.05)
+    assert client.stats().restarts == 1  # it counts the process it replaced (/metrics shows it)
     voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))  # a fresh core's cache
     pcm, result = client.synthesize_blocking("Back again.", voice=voice, sampling=SamplingParams(max_frames=3))
     assert result.frames == 3 and len(pcm) == 3 * 1920
