@@ -277,6 +277,8 @@ async def test_sessions_are_reused_across_streams(
 async def test_prewarm_opens_one_session_and_aclose_closes_them(
     server: RunningServer, proxy: CountingProxy
 ) -> None:
+    # the earlier tests' plugins are closed, but their sessions end on the server a moment later
+    await async_wait_for(lambda: server.state.sessions == 0, 10, "the earlier tests' sessions closed")
     before = server.state.sessions
     tts = plugin(server, base_url=proxy.url)
     tts.prewarm()
