@@ -97,7 +97,14 @@ class ClientPlan:
     held: int = 0  # closed loop instead: this many streams at once, each followed by the next (`held_loop`)
     back_to_back: bool = False  # a held stream's next request once its audio is received, not played
     hang_s: float | None = None  # a request with no `done`, error or close this long is given up as hung
+    ramp_to: float | None = None  # open loop: the rate goes linearly from `rate` to this over `duration`
     records: list[Record] = field(default_factory=list)
+
+    def rate_at(self, t: float) -> float:
+        """The arrival rate at time `t` (monotonic) of the open loop."""
+        if self.ramp_to is None:
+            return self.rate
+        return self.rate + (self.ramp_to - self.rate) * (t - self.start_at) / self.duration
 
 
 class Playback:
@@ -204,10 +211,13 @@ async def _run_requests(plan: ClientPlan, request) -> list[Record]:  # noqa: ANN
     tasks = []
     t = plan.start_at
     end = plan.start_at + plan.duration
+    top = max(plan.rate, plan.ramp_to or 0.0)  # a ramp's arrivals: those of its top rate, thinned
     while True:
-        t += rng.expovariate(plan.rate)
+        t += rng.expovariate(top)
         if t > end:
             break
+        if plan.ramp_to is not None and rng.random() * top >= plan.rate_at(t):
+            continue
         delay = t - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)

@@ -27,29 +27,19 @@ process `ray::ServeReplica:APP:EngineReplica`; its engine core is its `spawn_mai
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing
 import os
-import random
 import re
 import signal
 import subprocess
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.serving.load import (
-    UNDERRUN_S,
-    ClientPlan,
-    Record,
-    bounded_request,
-    error_key,
-    pct,
-    ws_request,
-)
+from benchmarks.serving.load import UNDERRUN_S, ClientPlan, Record, client_process, error_key, pct
 
 POLL_S = 0.5
 REPLICA_PROCESS = re.compile(r"^ray::ServeReplica:[^ ]*EngineReplica")
@@ -139,40 +129,6 @@ def replica_to_kill() -> int:
     return min(replicas)
 
 
-def arrivals(rng: random.Random, start: float, duration: float, rate: float, ramp_to: float | None) -> list[float]:
-    """Poisson arrival times over [start, start + duration): at `rate`, or ramping linearly to `ramp_to` (thinning)."""
-    top = max(rate, ramp_to if ramp_to is not None else rate)
-    times, t = [], start
-    while True:
-        t += rng.expovariate(top)
-        if t >= start + duration:
-            return times
-        now_rate = rate if ramp_to is None else rate + (ramp_to - rate) * (t - start) / duration
-        if rng.random() < now_rate / top:
-            times.append(t)
-
-
-async def _client(plan: ClientPlan, times: list[float]) -> list[Record]:
-    async def one(at: float) -> None:
-        await asyncio.sleep(max(0.0, at - time.monotonic()))
-        record = Record(started=at, transport="ws")
-        plan.records.append(record)
-        try:
-            assert plan.hang_s is not None
-            await bounded_request(ws_request(plan, record), plan.hang_s)
-        except Exception as exc:  # noqa: BLE001 - every failure is a data point
-            record.error = f"{type(exc).__name__}: {exc}"[:300]
-            record.failed_at = time.monotonic()
-
-    await asyncio.gather(*(one(at) for at in times))
-    return plan.records
-
-
-def client_process(plan: ClientPlan, ramp_to: float | None, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    times = arrivals(random.Random(plan.seed), plan.start_at, plan.duration, plan.rate, ramp_to)
-    results.put([asdict(r) for r in asyncio.run(_client(plan, times))])
-
-
 def run_clients(args: argparse.Namespace, start_at: float, ramp_to: float | None) -> list[Record]:
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
@@ -180,7 +136,8 @@ def run_clients(args: argparse.Namespace, start_at: float, ramp_to: float | None
         context.Process(target=client_process, args=(ClientPlan(
             args.url, "ws", args.rate / args.clients, args.duration, seed=7919 * (i + 1), voice=args.voice,
             language=args.language, frames=args.frames, api_key=args.api_key, start_at=start_at, hang_s=args.hang_s,
-        ), None if ramp_to is None else ramp_to / args.clients, results))
+            ramp_to=None if ramp_to is None else ramp_to / args.clients,
+        ), results))
         for i in range(args.clients)
     ]
     for c in clients:

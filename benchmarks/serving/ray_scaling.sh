@@ -82,20 +82,9 @@ cpu_during() {  # cpu_during BEFORE AFTER WALL: per kind, CPU seconds used betwe
     } END { printf "    %-40s %7.1f s CPU (%.2f cores) over %d s\n", "all server processes", total, total / wall, wall }' "$1" "$2"
 }
 
-replica_counts() {  # replica_counts FILE: per replica, utterances and sessions so far (JSON), from /metrics/replicas
-    "$PYTHON" - "http://127.0.0.1:$PORT/metrics/replicas" > "$1" <<'PY'
-import json, re, sys, urllib.request
-counts = {}
-with urllib.request.urlopen(sys.argv[1], timeout=10) as r:
-    for line in r.read().decode().splitlines():
-        m = re.match(r'(qwen3tts_(?:utterances_total|active_sessions|first_audio_seconds_count))\{(.*)\} (\S+)$', line)
-        if m:
-            replica = re.search(r'replica="([^"]+)"', m.group(2)).group(1)
-            key = m.group(1)
-            counts.setdefault(replica, {}).setdefault(key, 0.0)
-            counts[replica][key] += float(m.group(3))
-json.dump(counts, sys.stdout)
-PY
+replica_counts() {  # replica_counts FILE: per replica, its utterances, sessions and health so far (JSON)
+    "$PYTHON" -c 'import json, sys; from benchmarks.serving.ray_faults import poll_replicas
+json.dump(poll_replicas(sys.argv[1]).replicas, sys.stdout)' "ws://127.0.0.1:$PORT" > "$1"
 }
 
 spread() {  # spread BEFORE AFTER: each replica's share of the utterances finished between the two snapshots
