@@ -7,7 +7,8 @@
 # and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
-# budget-1.7b (the device time one 1.7B utterance costs a loaded engine, by part: benchmarks/engine/bench_device_budget.py),
+# budget-1.7b (the device time one 1.7B utterance costs a loaded engine, by part: benchmarks/engine/bench_device_budget.py;
+# BUDGET_STREAMS slots, default 256; an H100 holds 192 beside the official model),
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/serving/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
 # adds `serve` options, e.g. "--workers=2"; LOAD_TAG suffixes the reports' names (a second run beside the
@@ -31,7 +32,8 @@
 # sharing its one GPU, half a GPU each (slots by their share of its memory), beside plain `serve`, at 1, 20 and 40 req/s over the WebSocket
 # and 20 req/s over HTTP; RAY_WINDOW sets the window seconds; RAY_REPLICA_COUNTS="serve" the baseline alone, "2" the
 # replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
-# are SIGKILLed: benchmarks/serving/ray_faults.py) and ray-2gpu (on nvidia-h200-x2, likewise:
+# are SIGKILLed: benchmarks/serving/ray_faults.py), ray-1gpu-autoscale (one half-GPU replica that may become two,
+# --target-ongoing-requests RAY_TARGET_ONGOING (100), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
@@ -100,7 +102,7 @@ for stage in "$@"; do
     single-0.6b) official -m benchmarks.engine.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
                    --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
     budget-1.7b) official -m benchmarks.engine.bench_device_budget --model synthetic:1.7b-customvoice \
-                   --out "$out/budget-1.7b.json" 2>&1 | tee "$out/budget-1.7b.log" ;;
+                   --max-streams ${BUDGET_STREAMS:-256} --out "$out/budget-1.7b.json" 2>&1 | tee "$out/budget-1.7b.log" ;;
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
                official -m benchmarks.serving.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \
@@ -216,6 +218,22 @@ for stage in "$@"; do
         python3 -m benchmarks.serving.ray_faults faults --url ws://127.0.0.1:18201 --rate ${RAY_FAULT_RATE:-20} \
           --duration ${RAY_FAULT_WINDOW:-45} --kill-core-at 10 --kill-replica-at 25 --settle 10 --out "$out/ray-1gpu-faults.json" \
           2>&1 | tail -60 | tee "$out/ray-1gpu-faults.log"
+        kill -INT $server; wait $server ) ;;
+    ray-1gpu-autoscale)
+      # one half-GPU replica, a second allowed: arrivals ramp from 5 to 40 req/s (benchmarks/serving/ray_faults.py)
+      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
+        python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --min-replicas 1 --max-replicas 2 \
+          --target-ongoing-requests ${RAY_TARGET_ONGOING:-100} --num-gpus 0.5 --num-cpus 4 --engine-core process \
+          ${RAY_SERVE_ARGS:-} --port 18202 --max-queued 100000 --queue-timeout 60 --max-sessions 100000 \
+          --log-level warning > "$out/serve-ray-autoscale.log" 2>&1 &
+        server=$!
+        for _ in $(seq 600); do curl -sf http://127.0.0.1:18202/ready > /dev/null && break; sleep 1; done
+        python3 -m benchmarks.serving.ray_faults autoscale --url ws://127.0.0.1:18202 --rate 5 --ramp-to 40 \
+          --duration ${RAY_RAMP_WINDOW:-120} --settle 10 --out "$out/ray-1gpu-autoscale.json" \
+          2>&1 | tail -60 | tee "$out/ray-1gpu-autoscale.log"
         kill -INT $server; wait $server ) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
