@@ -33,7 +33,8 @@
 # and 20 req/s over HTTP; RAY_WINDOW sets the window seconds; RAY_REPLICA_COUNTS="serve" the baseline alone, "2" the
 # replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
 # are SIGKILLed: benchmarks/serving/ray_faults.py), ray-1gpu-autoscale (one half-GPU replica that may become two,
-# --target-ongoing-requests RAY_TARGET_ONGOING (100), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s) and ray-2gpu (on nvidia-h200-x2, likewise:
+# --target-ongoing-requests RAY_TARGET_ONGOING (30), --upscale-delay RAY_UPSCALE_DELAY (10 s), the server's own
+# queue bounds (a full replica refuses), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s (180)) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
@@ -226,13 +227,14 @@ for stage in "$@"; do
       checkpoint synthetic:0.6b > /dev/null
       ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
         python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --min-replicas 1 --max-replicas 2 \
-          --target-ongoing-requests ${RAY_TARGET_ONGOING:-100} --num-gpus 0.5 --num-cpus 4 --engine-core process \
-          ${RAY_SERVE_ARGS:-} --port 18202 --max-queued 100000 --queue-timeout 60 --max-sessions 100000 \
+          --target-ongoing-requests ${RAY_TARGET_ONGOING:-30} --upscale-delay ${RAY_UPSCALE_DELAY:-10} \
+          --look-back-period 10 --num-gpus 0.5 --num-cpus 4 --engine-core process \
+          ${RAY_SERVE_ARGS:-} --port 18202 --max-sessions 100000 \
           --log-level warning > "$out/serve-ray-autoscale.log" 2>&1 &
         server=$!
         for _ in $(seq 600); do curl -sf http://127.0.0.1:18202/ready > /dev/null && break; sleep 1; done
         python3 -m benchmarks.serving.ray_faults autoscale --url ws://127.0.0.1:18202 --rate 5 --ramp-to 40 \
-          --duration ${RAY_RAMP_WINDOW:-120} --settle 10 --out "$out/ray-1gpu-autoscale.json" \
+          --duration ${RAY_RAMP_WINDOW:-180} --settle 10 --out "$out/ray-1gpu-autoscale.json" \
           2>&1 | tail -60 | tee "$out/ray-1gpu-autoscale.log"
         kill -INT $server; wait $server ) ;;
     *) echo "unknown stage $stage"; exit 2 ;;

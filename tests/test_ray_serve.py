@@ -30,7 +30,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from qwen3tts_agent.ray.app import ENGINE_DEPLOYMENT, app_builder, build_app, config_settings
+from qwen3tts_agent.ray.app import (
+    ENGINE_DEPLOYMENT,
+    app_builder,
+    build_app,
+    config_settings,
+    deployment_options,
+)
 from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
@@ -495,8 +501,12 @@ def test_serve_ray_prints_a_config_that_builds_the_same_settings(capsys: pytest.
     from qwen3tts_agent.cli import main
 
     assert main(["serve-ray", "--model", "synthetic:tiny", "--max-replicas", "3", "--num-gpus", "0",
-                 "--torch-threads", "1", "--max-sessions", "9", "--print-config"]) == 0
+                 "--torch-threads", "1", "--max-sessions", "9", "--upscale-delay", "5", "--downscale-delay", "60",
+                 "--look-back-period", "10", "--print-config"]) == 0
     config = yaml.safe_load(capsys.readouterr().out)
     settings = RayServeSettings.from_dict(config["applications"][0]["args"])
     assert (settings.num_replicas, settings.max_replicas, settings.server.max_sessions) == (None, 3, 9)
+    assert (settings.upscale_delay_s, settings.downscale_delay_s, settings.look_back_period_s) == (5, 60, 10)
+    autoscaling = deployment_options(settings)["autoscaling_config"]
+    assert (autoscaling["upscale_delay_s"], autoscaling["look_back_period_s"]) == (5, 10)
     assert main(["serve-ray", "--model", "m", "--replicas", "0"]) == 2

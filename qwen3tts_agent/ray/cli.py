@@ -29,7 +29,14 @@ def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--max-replicas", type=int,
                    help="autoscale between --min-replicas and this on ongoing requests (sessions + HTTP requests)")
     p.add_argument("--target-ongoing-requests", type=float, default=d.target_ongoing_requests,
-                   help="autoscaling: ongoing requests per replica the autoscaler aims at")
+                   help="autoscaling: ongoing requests per replica the autoscaler aims at (a WebSocket session "
+                   "counts while it is open, a fraction of its audio's playing time: docs/ray.md)")
+    p.add_argument("--upscale-delay", type=float, default=d.upscale_delay_s,
+                   help="autoscaling: seconds the wish for more replicas must hold before one is added")
+    p.add_argument("--downscale-delay", type=float, default=d.downscale_delay_s,
+                   help="autoscaling: seconds the wish for fewer replicas must hold before one is removed")
+    p.add_argument("--look-back-period", type=float, default=d.look_back_period_s,
+                   help="autoscaling: seconds over which ongoing requests are averaged")
     p.add_argument("--engine-core", choices=ENGINE_CORES, default=d.engine_core,
                    help="the engine's step loop on a thread of each replica, or in a child process of it")
     p.add_argument("--num-gpus", type=float, help="GPUs per replica (default: 1 where this machine has CUDA, else 0)")
@@ -74,6 +81,9 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas if autoscale else args.replicas,
         target_ongoing_requests=args.target_ongoing_requests,
+        upscale_delay_s=args.upscale_delay,
+        downscale_delay_s=args.downscale_delay,
+        look_back_period_s=args.look_back_period,
         num_gpus=num_gpus,
         num_cpus=args.num_cpus,
         max_ongoing_requests=args.max_ongoing_requests,
