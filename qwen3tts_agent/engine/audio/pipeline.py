@@ -54,6 +54,9 @@ EARLY_CHUNKS = 2
 EARLY_LANE_ROWS = 16
 # Decodes queued on the codec lane at once; later ones wait on the host, most urgent first.
 CODEC_LANE_DEPTH = 2
+# Codec-lane chunks of one length that go at once rather than wait for more to batch with: a graphed call of
+# this many costs little more per frame than the largest (docs/performance.md, "the codec hold at 80 req/s").
+GOOD_CODEC_BATCH = 32
 # A waiting codec-lane chunk is decoded at the latest once its listener would run out of audio within this
 # long: room for a decode queued behind another on a loaded device, and for the delivery after it.
 LAUNCH_SLACK_S = 0.15
@@ -183,7 +186,7 @@ class AudioPipeline:
         # codec-lane chunks not yet launched; with graphs, a call takes at most the largest graphed batch
         self.queue = CodecQueue(
             max_batch=power_of_two_buckets(max_streams)[-1] if graphed else 2 * max_streams,
-            hold_s=hold_s, launch_slack_s=LAUNCH_SLACK_S,
+            hold_s=hold_s, launch_slack_s=LAUNCH_SLACK_S, good_batch=GOOD_CODEC_BATCH,
         )
         self._decoding: collections.deque[_Decoding] = collections.deque()
         self._early_decoding: collections.deque[_Decoding] = collections.deque()

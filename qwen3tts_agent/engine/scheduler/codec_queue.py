@@ -8,7 +8,10 @@ host while their streams have audio to spare, and go in batches:
 
 - a chunk is *due* once its listener would run out of audio within `launch_slack_s`, once its stream has
   no audio out yet (no deadline to plan by), or once it has waited `hold_s`; a length's chunks are all due
-  once every live stream has one waiting (nobody is left to wait for) or they fill a call (`max_batch`);
+  once every live stream has one waiting (nobody is left to wait for) or they make a good call
+  (`good_batch`, at most `max_batch`): past some tens of chunks a call costs little more per frame than the
+  largest, so waiting for more gains little, while under heavy load the lane would stand idle as chunks wait
+  out their hold and then fall behind, leaving chunks late (docs/performance.md, "the codec hold at 80 req/s");
 - a due chunk goes with every other waiting chunk of its length (a codec graph takes one length per call),
   most urgent first, up to `max_batch`. A stream's chunks go in order, so only each stream's earliest
   waiting chunk is eligible.
@@ -27,10 +30,12 @@ from .requests import ChunkPlan, urgency
 class CodecQueue:
     """Chunks waiting for the codec lane, oldest first; `next_batch` says which go now."""
 
-    def __init__(self, *, max_batch: int, hold_s: float, launch_slack_s: float) -> None:
-        if max_batch < 1 or hold_s < 0 or launch_slack_s < 0:
-            raise ValueError("max_batch must be positive, hold_s and launch_slack_s not negative")
+    def __init__(self, *, max_batch: int, hold_s: float, launch_slack_s: float, good_batch: int | None = None) -> None:
+        """`good_batch`: waiting chunks of one length that go without waiting for more (default `max_batch`)."""
+        if max_batch < 1 or hold_s < 0 or launch_slack_s < 0 or (good_batch is not None and good_batch < 1):
+            raise ValueError("max_batch and good_batch must be positive, hold_s and launch_slack_s not negative")
         self.max_batch = max_batch
+        self.good_batch = min(max_batch, good_batch or max_batch)
         self.hold_s = hold_s
         self.launch_slack_s = launch_slack_s
         self._waiting: list[ChunkPlan] = []
@@ -80,7 +85,7 @@ class CodecQueue:
         by_length: dict[int, list[ChunkPlan]] = {}
         for plan in eligible.values():
             by_length.setdefault(plan.n_frames, []).append(plan)
-        full = min(self.max_batch, max(1, streams))
+        full = min(self.good_batch, max(1, streams))
         due = [plan for plan in eligible.values() if self.due(plan, now)]
         due += [group[0] for group in by_length.values() if len(group) >= full]
         if not due:

@@ -138,3 +138,25 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         CodecQueue(max_batch=4, hold_s=-1.0, launch_slack_s=0.1)
 
+
+
+def test_a_good_batch_of_one_length_goes_without_waiting_for_the_other_streams() -> None:
+    """Under heavy load, chunks of one length that make a good call go at once: the lane does not stand idle
+    while they wait out their hold for streams that have not cut theirs."""
+    queue = CodecQueue(max_batch=16, hold_s=HOLD_S, launch_slack_s=SLACK_S, good_batch=3)
+    streams = [_stream(f"s{i}", playing_since=0.0, delivered_frames=20 + i) for i in range(5)]
+    queue.add([_chunk(s, 8, at=0.0) for s in streams[:2]] + [_chunk(streams[4], 4, at=0.0)])
+    assert queue.next_batch(0.001, streams=200) == []  # two of a length: they wait for company or the hold
+    queue.add([_chunk(streams[2], 8, at=0.002)])
+    assert _ids(queue.next_batch(0.002, streams=200)) == ["s0", "s1", "s2"]
+    queue.add([_chunk(streams[3], 8, at=0.003)])
+    assert queue.next_batch(0.003, streams=200) == []  # the 4-frame chunk and a lone 8 still wait
+    assert _ids(queue.next_batch(HOLD_S, streams=200)) == ["s4"]  # the hold: the oldest first
+    assert _ids(queue.next_batch(HOLD_S + 0.003, streams=200)) == ["s3"]
+
+
+def test_good_batch_is_at_most_max_batch_and_checked() -> None:
+    assert CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1, good_batch=32).good_batch == 4
+    assert CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1).good_batch == 4
+    with pytest.raises(ValueError):
+        CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1, good_batch=0)
