@@ -13,7 +13,10 @@
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
 # adds `serve` options, e.g. "--workers=2"; LOAD_TAG suffixes the reports' names (a second run beside the
 # first, e.g. LOAD_TAG=-hold0 LOAD_SERVER_ARGS=--codec-hold-ms=0); LOAD_PROFILE=SECONDS samples the core and the API workers with
-# py-spy from .whl/tools in each window: benchmarks/serving/profiling.py), soak (10,000
+# py-spy from .whl/tools in each window: benchmarks/serving/profiling.py), capacity-1.7b and capacity-0.6b (the
+# highest rate with <= 1 % refused, <= 1 % underrun, first audio p95 <= 100 ms: load.py --capacity, as the load
+# stages take LOAD_WINDOW (default 30 here), LOAD_TRANSPORTS (the first), LOAD_SERVER_ARGS, LOAD_TAG and LOAD_PROFILE;
+# CAPACITY_ARGS adds options, e.g. "--capacity-from 40 --device-ceiling-frames-per-s 8400"), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), hostile (good clients at 20 req/s of 1.7B-CustomVoice through `serve` beside
 # every kind of hostile client, one SIGKILL of the engine core under load, then every gauge back to 0:
@@ -120,6 +123,21 @@ for stage in "$@"; do
                  --server-log "$out/serve-0.6b${LOAD_TAG:-}.log" --out "$out/load-0.6b${LOAD_TAG:-}.json" 2>&1 \
                  | tee "$out/load-0.6b${LOAD_TAG:-}.log"
                tar_profile "load-0.6b${LOAD_TAG:-}" ;;
+    capacity-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
+               official -m benchmarks.serving.load --model synthetic:1.7b-customvoice --capacity ${CAPACITY_ARGS:-} \
+                 --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-30} --warmup 5 "${server_args[@]}" \
+                 --server-log "$out/serve-capacity-1.7b${LOAD_TAG:-}.log" --out "$out/capacity-1.7b${LOAD_TAG:-}.json" 2>&1 \
+                 | tee "$out/capacity-1.7b${LOAD_TAG:-}.log"
+               tar_profile "capacity-1.7b${LOAD_TAG:-}" ;;
+    capacity-0.6b) checkpoint synthetic:0.6b > /dev/null
+               official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
+               ref_text=$(official -c "import benchmarks.engine.bench_engine as b; print(b.REF_TEXT)" | tail -1)
+               official -m benchmarks.serving.load --model synthetic:0.6b --capacity ${CAPACITY_ARGS:-} \
+                 --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-30} --warmup 5 "${server_args[@]}" \
+                 --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
+                 --server-log "$out/serve-capacity-0.6b${LOAD_TAG:-}.log" --out "$out/capacity-0.6b${LOAD_TAG:-}.json" 2>&1 \
+                 | tee "$out/capacity-0.6b${LOAD_TAG:-}.log"
+               tar_profile "capacity-0.6b${LOAD_TAG:-}" ;;
     cpu-0.6b)
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend on
       # ONNX Runtime's one shared pool instead of a pool per graph (dedicated cores); docs/cpu-backend.md

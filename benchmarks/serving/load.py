@@ -14,9 +14,19 @@ heard the last of it, asking for the next (starts spread over one utterance: a w
 sees them all running). `--back-to-back` asks as soon as the audio is received: N streams generating at
 once, and more playing, the faster the server (the held figures before 2026-12-03 were measured so).
 
+`--capacity` searches instead for the highest open-loop rate the server serves well: at most 1 % of requests
+refused (any error), at most 1 % of served streams underrunning and first audio p95 <= 100 ms (each a
+`--capacity-*` option). One window per probed rate on the first of `--transports`, with the server kept running
+and idle (no stream open or queued) before each: from `--capacity-from` req/s, doubling while the windows pass,
+then halving the gap between the highest passing and the lowest failing rate until it is under
+`--capacity-resolution` of the passing rate or `--capacity-steps` windows have run. The report's `capacity`
+section has that rate, the frames a second it served, and each probe with the criteria it missed (their
+windows are in `runs`).
+
     python -m benchmarks.serving.load --model synthetic:1.7b-customvoice --rates 1 20 40 80 --out load.json
     python -m benchmarks.serving.load --url ws://127.0.0.1:8000 --rates 5 --duration 10     # a running server
     python -m benchmarks.serving.load --model synthetic:0.6b --rates --held 256 --warmup 10 --duration 60
+    python -m benchmarks.serving.load --model synthetic:1.7b-customvoice --capacity --duration 30 --out capacity.json
 
 The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window. With
 `--profile SECONDS` (a server started here, py-spy installed), the engine core and every API worker are
@@ -45,7 +55,7 @@ import urllib.request
 from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,6 +70,9 @@ SAMPLE_RATE = 24_000
 FRAME_S = 0.08  # audio per codec frame
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
 BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
+# streams open or waiting for a slot, in the API workers and in the engine: all 0 once the server is idle
+LIVE_GAUGES = ("qwen3tts_active_streams", "qwen3tts_queued_requests", "qwen3tts_engine_active_streams",
+               "qwen3tts_engine_queued_streams")
 
 
 @dataclass
@@ -336,6 +349,65 @@ def summarize(records: list[Record], window: tuple[float, float]) -> dict[str, o
     }
 
 
+def capacity_figures(summary: dict[str, Any]) -> dict[str, float | None]:
+    """What `--capacity` judges a window by: the fraction of its requests refused (any error: a caller who got
+    no audio was not served), the fraction of its served streams that underran, first audio p95 (ms)."""
+    requests = summary["requests"]
+    refused = sum(summary["errors"].values())
+    return {
+        "refused_fraction": refused / requests if requests else None,
+        "underrun_fraction": summary["underrun_fraction"],
+        "p95_first_audio_ms": summary["first_audio_ms"]["p95"],
+    }
+
+
+def missed_criteria(figures: dict[str, float | None], limits: dict[str, float]) -> list[str]:
+    """The figures over their limit, by name. A figure a window could not measure (no request, no stream
+    served) misses too: such a window shows nothing served well."""
+    return [name for name, limit in limits.items() if (figure := figures[name]) is None or figure > limit]
+
+
+class CapacitySearch:
+    """The highest open-loop rate whose window passes, in few windows (each costs a warm-up, a window and a
+    drain): from `start`, double while windows pass, then bisect between the highest passing and the lowest
+    failing rate until that gap is under `resolution` times the passing rate or `max_steps` windows have run.
+    No I/O, so that the rule is tested on its own: `next_rate` says what to probe, `record` takes the outcome.
+    Bisection only probes between the two, so every rate above the highest passing one that ran failed."""
+
+    def __init__(self, start: float, resolution: float, max_steps: int) -> None:
+        self.start = start
+        self.resolution = resolution
+        self.max_steps = max_steps
+        self.probes: list[tuple[float, bool]] = []  # (rate, passed), in the order they ran
+
+    def record(self, rate: float, passed: bool) -> None:
+        self.probes.append((rate, passed))
+
+    @property
+    def passing(self) -> float | None:
+        """The highest rate that passed (None while none has)."""
+        return max((rate for rate, passed in self.probes if passed), default=None)
+
+    @property
+    def failing(self) -> float | None:
+        """The lowest rate that failed (None while none has)."""
+        return min((rate for rate, passed in self.probes if not passed), default=None)
+
+    def next_rate(self) -> float | None:
+        """The rate to probe next, or None when the search is done (the first rate failed, the gap is within
+        the resolution, or the windows are spent)."""
+        if not self.probes:
+            return self.start
+        passing, failing = self.passing, self.failing
+        if passing is None or len(self.probes) >= self.max_steps:
+            return None
+        if failing is None:
+            return 2 * passing
+        if failing - passing < self.resolution * passing:
+            return None
+        return (passing + failing) / 2
+
+
 def scrape(url: str, api_key: str | None) -> dict[str, float]:
     """The server's Prometheus counters and gauges (families named qwen3tts_*): counters summed over their
     labels, the engine's loop seconds per phase."""
@@ -381,6 +453,17 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float
         "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
     }
+
+
+def wait_until_idle(url: str, api_key: str | None, timeout: float) -> float | None:
+    """Seconds until the server's /metrics showed no stream open or queued (`LIVE_GAUGES`), or None if it still
+    had some after `timeout`: a window's last streams (or hung ones) would otherwise load the next window."""
+    began = time.monotonic()
+    while any(scrape(url, api_key).get(name, 0.0) for name in LIVE_GAUGES):
+        if time.monotonic() - began > timeout:
+            return None
+        time.sleep(0.2)
+    return time.monotonic() - began
 
 
 def free_port() -> int:
@@ -459,6 +542,44 @@ def run_rate(
     return summary
 
 
+def run_capacity(args: argparse.Namespace, report: dict[str, Any], url: str, server_pid: int | None) -> None:
+    """`--capacity`: probe rates as `CapacitySearch` says, one window each on the first transport, each window
+    kept in the report's runs and judged in its `capacity` section (rewritten after every window)."""
+    transport = args.transports[0]
+    limits = {"refused_fraction": args.capacity_max_refused, "underrun_fraction": args.capacity_max_underrun,
+              "p95_first_audio_ms": args.capacity_p95_ms}
+    search = CapacitySearch(args.capacity_from, args.capacity_resolution, args.capacity_steps)
+    probes: list[dict[str, Any]] = []
+    capacity: dict[str, Any] = {
+        "transport": transport, "criteria_max": limits, "frames_per_utterance": args.frames,
+        "rate_per_s": None, "frames_per_s_served": None,
+        "device_ceiling_frames_per_s": args.device_ceiling_frames_per_s, "probes": probes,
+    }
+    report["capacity"] = capacity
+    runs: list[dict[str, object]] = report["runs"]
+    rate = search.next_rate()
+    while rate is not None:
+        idle_wait_s = wait_until_idle(url, args.api_key, args.drain_timeout)
+        print(f"[{time.strftime('%H:%M:%S')}] capacity probe {len(probes) + 1}: {transport} at {rate:g} req/s ...",
+              flush=True)
+        summary = run_rate(args, url, rate, transport, server_pid=server_pid)
+        summary["idle_wait_s"] = idle_wait_s
+        runs.append(summary)
+        print_summary(summary)
+        figures = capacity_figures(summary)
+        missed = missed_criteria(figures, limits)
+        search.record(rate, passed=not missed)
+        probes.append({"rate_per_s": rate, "passed": not missed, "failed": missed, **figures,
+                       "served_rate_per_s": summary["served_rate_per_s"], "run": len(runs) - 1})
+        best = next((p for p in probes if p["rate_per_s"] == search.passing), None)
+        if best is not None:
+            capacity["rate_per_s"] = best["rate_per_s"]
+            capacity["frames_per_s_served"] = best["served_rate_per_s"] * args.frames
+        write_report(args, report)
+        rate = search.next_rate()
+    print_capacity(capacity)
+
+
 class _ProfileWindow:
     """py-spy over the server's processes from the window's start (`--profile`); a no-op without it."""
 
@@ -512,6 +633,20 @@ def print_summary(summary: dict[str, object]) -> None:
     print(f"  engine: {json.dumps(engine)}", flush=True)
 
 
+def print_capacity(capacity: dict[str, Any]) -> None:
+    limits = capacity["criteria_max"]
+    probes = ", ".join(f"{p['rate_per_s']:g} " + ("pass" if p["passed"] else "fail (" + ", ".join(p["failed"]) + ")")
+                       for p in capacity["probes"])
+    served = capacity["frames_per_s_served"]
+    ceiling = capacity["device_ceiling_frames_per_s"]
+    found = "none of the rates probed" if capacity["rate_per_s"] is None else (
+        f"{capacity['rate_per_s']:g} req/s, {served:.0f} frames/s served"
+        + (f" (device ceiling {ceiling:.0f})" if ceiling is not None else ""))
+    print(f"capacity over {capacity['transport']} (refused <= {limits['refused_fraction']:.1%}, underrun <= "
+          f"{limits['underrun_fraction']:.1%}, first audio p95 <= {limits['p95_first_audio_ms']:g} ms): {found}; "
+          f"probes {probes}", flush=True)
+
+
 def write_report(args: argparse.Namespace, report: dict[str, object]) -> None:
     """Write the report so far (after every run: a run cut short by a time limit keeps the ones before)."""
     if args.out:
@@ -532,7 +667,7 @@ def main() -> None:
     parser.add_argument("--server-log", help="write serve's output here")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--api-key")
-    parser.add_argument("--rates", type=float, nargs="*", default=[1.0])
+    parser.add_argument("--rates", type=float, nargs="*", help="open-loop rates, req/s (default: 1)")
     parser.add_argument("--held", type=int, nargs="*", default=[],
                         help="closed loop: streams held at once, each followed by the next once it has played")
     parser.add_argument("--back-to-back", action="store_true",
@@ -551,7 +686,26 @@ def main() -> None:
                         help="sample the server's processes with py-spy for this many seconds of each window")
     parser.add_argument("--profile-dir", type=Path, help="raw py-spy stacks (default: beside --out)")
     parser.add_argument("--py-spy", default=_py_spy(), help="the py-spy executable")
+    parser.add_argument("--capacity", action="store_true",
+                        help="search the highest rate meeting the --capacity-* criteria (instead of --rates, --held)")
+    parser.add_argument("--capacity-from", type=float, default=10.0, help="the first rate probed, req/s")
+    parser.add_argument("--capacity-resolution", type=float, default=0.1,
+                        help="stop once the highest passing and lowest failing rates are closer than this "
+                             "fraction of the passing one")
+    parser.add_argument("--capacity-steps", type=int, default=8, help="at most this many windows")
+    parser.add_argument("--capacity-max-refused", type=float, default=0.01,
+                        help="fraction of requests that may fail (refused or any other error)")
+    parser.add_argument("--capacity-max-underrun", type=float, default=0.01,
+                        help="fraction of served streams that may underrun")
+    parser.add_argument("--capacity-p95-ms", type=float, default=100.0, help="first audio p95 limit, ms")
+    parser.add_argument("--device-ceiling-frames-per-s", type=float,
+                        help="the device's measured ceiling (benchmarks/engine/bench_device_budget.py), "
+                             "copied into the capacity section beside the frames served")
     args = parser.parse_args()
+    if args.capacity and (args.rates or args.held or args.http_rates):
+        parser.error("--capacity picks its own rates: no --rates, --http-rates or --held with it")
+    if args.rates is None:
+        args.rates = [1.0]
     if args.profile_dir is None:
         args.profile_dir = args.out.with_suffix("") if args.out else Path("load-profile")
     if args.profile and args.url:
@@ -567,6 +721,9 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": [],
         }
         report["server_gauges_start"] = {k: v for k, v in scrape(url, args.api_key).items() if not _cumulative(k)}
+        if args.capacity:
+            run_capacity(args, report, url, server.pid if server else None)
+            return
         for transport in args.transports:
             rates = args.http_rates if transport == "http" and args.http_rates is not None else args.rates
             for rate in rates:

@@ -1,0 +1,112 @@
+"""`benchmarks/serving/load.py --capacity`: the highest open-loop rate that meets the criteria, found in few windows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.serving.load import CapacitySearch, capacity_figures, missed_criteria
+
+LIMITS = {"refused_fraction": 0.01, "underrun_fraction": 0.01, "p95_first_audio_ms": 100.0}
+
+
+def _search(passes: Callable[[float], bool], start: float = 10.0, resolution: float = 0.1, max_steps: int = 8) -> CapacitySearch:
+    """Run the search against a server that passes a window at `rate` when `passes(rate)`."""
+    search = CapacitySearch(start, resolution, max_steps)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, passes(rate))
+    return search
+
+
+def _rates(search: CapacitySearch) -> list[float]:
+    return [rate for rate, _ in search.probes]
+
+
+def test_the_search_doubles_while_windows_pass_then_bisects() -> None:
+    search = _search(lambda rate: rate <= 50, resolution=0.05)
+    assert _rates(search) == [10, 20, 40, 80, 60, 50, 55, 52.5]  # the eighth window ends it
+    assert search.passing == 50 and search.failing == 52.5
+
+
+def test_the_search_stops_once_the_gap_is_within_the_resolution() -> None:
+    search = _search(lambda rate: rate <= 33)
+    # 10, 20, 40 (fails); then 30 | 40 is a third of 30 apart, 30 | 35 a sixth, 32.5 | 35 under a tenth: done
+    assert _rates(search) == [10, 20, 40, 30, 35, 32.5]
+    assert search.passing == 32.5 and search.failing == 35
+    assert search.next_rate() is None
+
+
+def test_the_search_stops_after_its_steps() -> None:
+    search = _search(lambda rate: True, max_steps=3)
+    assert _rates(search) == [10, 20, 40]
+    assert search.passing == 40 and search.failing is None
+
+
+def test_a_failing_first_rate_ends_the_search_with_no_capacity() -> None:
+    search = _search(lambda rate: False)
+    assert _rates(search) == [10]
+    assert search.passing is None
+
+
+def test_every_rate_above_the_highest_passing_one_failed() -> None:
+    # a noisy server: whatever the windows say, bisection probes only between the highest pass and lowest fail
+    outcomes = iter([True, True, False, False, True, False, True, False])
+    search = _search(lambda rate: next(outcomes))
+    assert search.passing is not None
+    assert all(not passed for rate, passed in search.probes if rate > search.passing)
+
+
+def _summary(requests: int, errors: dict[str, int], underrun: float | None, p95: float | None) -> dict[str, object]:
+    """The fields of `summarize`'s window summary that the criteria read."""
+    return {"requests": requests, "errors": errors, "underrun_fraction": underrun, "first_audio_ms": {"p95": p95}}
+
+
+def test_the_criteria_name_what_a_window_missed() -> None:
+    assert missed_criteria(capacity_figures(_summary(200, {}, 0.0, 80.0)), LIMITS) == []
+    assert missed_criteria(capacity_figures(_summary(200, {"busy": 2}, 0.01, 100.0)), LIMITS) == []  # the limits pass
+    # any error counts as refused, whatever its kind
+    refused = capacity_figures(_summary(200, {"busy": 2, "TimeoutError": 1}, 0.0, 80.0))
+    assert refused["refused_fraction"] == 0.015
+    assert missed_criteria(refused, LIMITS) == ["refused_fraction"]
+    assert missed_criteria(capacity_figures(_summary(200, {}, 0.02, 120.0)), LIMITS) == [
+        "underrun_fraction", "p95_first_audio_ms"]
+    # a window that served nothing shows nothing served well
+    assert missed_criteria(capacity_figures(_summary(0, {}, None, None)), LIMITS) == list(LIMITS)
+
+
+def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path) -> None:
+    out = tmp_path / "capacity.json"
+    command = [
+        sys.executable, "-m", "benchmarks.serving.load", "--model", "synthetic:tiny", "--server-arg=--backend=torch",
+        "--capacity", "--capacity-from", "2", "--capacity-steps", "3", "--device-ceiling-frames-per-s", "1234",
+        "--clients", "1", "--warmup", "1", "--duration", "3", "--frames", "4", "--out", str(out),
+    ]
+    result = subprocess.run(command, check=True, timeout=300, capture_output=True, text=True)
+    report = json.loads(out.read_text())
+    capacity = report["capacity"]
+    probes = capacity["probes"]
+    assert capacity["transport"] == "ws" and capacity["device_ceiling_frames_per_s"] == 1234
+    assert capacity["criteria_max"] == LIMITS and capacity["frames_per_utterance"] == 4
+    # one window per probe, kept in the runs at that rate; the first at --capacity-from, at most --capacity-steps
+    assert 1 <= len(probes) <= 3 and probes[0]["rate_per_s"] == 2
+    assert [p["run"] for p in probes] == list(range(len(report["runs"])))
+    for probe in probes:
+        run = report["runs"][probe["run"]]
+        assert run["rate_per_s"] == probe["rate_per_s"] and run["transport"] == "ws"
+        assert probe["passed"] == (probe["failed"] == [])
+        assert set(probe["failed"]) <= set(LIMITS)
+        assert run["idle_wait_s"] is not None  # the server had drained before every window
+    passing = [p for p in probes if p["passed"]]
+    if passing:
+        best = max(passing, key=lambda p: p["rate_per_s"])
+        assert capacity["rate_per_s"] == best["rate_per_s"]
+        assert capacity["frames_per_s_served"] == best["served_rate_per_s"] * 4
+        assert capacity["frames_per_s_served"] == report["runs"][best["run"]]["served_rate_per_s"] * 4
+        assert all(not p["passed"] for p in probes if p["rate_per_s"] > best["rate_per_s"])
+    else:
+        assert capacity["rate_per_s"] is None and capacity["frames_per_s_served"] is None
+        assert len(probes) == 1
+    assert result.stdout.splitlines()[-1].startswith("capacity over ws ")
