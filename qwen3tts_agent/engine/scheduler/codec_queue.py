@@ -1,17 +1,17 @@
 """Which waiting chunks the codec lane decodes next, and when (`CodecQueue`; no tensors).
 
-A graphed codec call costs about the same whatever its batch: the decoder is some 800 small kernels, so
-their launch sequence, not the arithmetic, sets its time (docs/performance.md has the figures). Decoding
-each chunk the moment it is cut therefore spends the device on one-row calls, beside the frame steps. So
-the chunks of the codec lane (every chunk but a stream's first, which has a lane of its own) wait on the
-host while their streams have audio to spare, and go in batches:
+A graphed codec call has a fixed cost, the launch sequence of some 800 small kernels, that a few chunks'
+arithmetic barely adds to (docs/performance.md has the figures). Decoding each chunk the moment it is cut
+would therefore spend the device on one-row calls, beside the frame steps. So the chunks of the codec lane
+(every chunk but a stream's first, which has a lane of its own) wait on the host while their streams have
+audio to spare, and go in batches:
 
 - a chunk is *due* once its listener would run out of audio within `launch_slack_s`, once its stream has
   no audio out yet (no deadline to plan by), or once it has waited `hold_s`; a length's chunks are all due
   once every live stream has one waiting (nobody is left to wait for) or they make a good call
   (`good_batch`, at most `max_batch`): past some tens of chunks a call costs little more per frame than the
-  largest, so waiting for more gains little, while under heavy load the lane would stand idle as chunks wait
-  out their hold and then fall behind, leaving chunks late (docs/performance.md, "the codec hold at 80 req/s");
+  largest, so waiting for more gains little, while a lane that stands idle as chunks wait out their hold
+  falls behind under heavy load (docs/performance.md, "the codec hold at 80 req/s");
 - a due chunk goes with every other waiting chunk of its length (a codec graph takes one length per call),
   most urgent first, up to `max_batch`. A stream's chunks go in order, so only each stream's earliest
   waiting chunk is eligible.
