@@ -333,6 +333,11 @@ async def test_two_workers_metrics_read_the_same_server_wide_totals_on_every_scr
             assert _sample(text, "qwen3tts_queue_wait_seconds_count") == ws_count + http
             assert _sample(text, "qwen3tts_engine_streams_started") == ws_count + http  # once, not per worker
             assert _sample(text, "qwen3tts_active_streams") == 0
+        # the late chunks by their place in their streams come across from the core process, and add up
+        late = {sample.labels["index"]: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "qwen3tts_engine_late_chunks_by_index"}
+        assert set(late) == {"1", "2", "3", "4+"}
+        assert sum(late.values()) == _sample(text, "qwen3tts_engine_late_chunks")
 
         # a long utterance held on each worker, then one worker SIGKILLed
         held = await _sessions_on_both_workers(process, 2, frames=2000)

@@ -390,6 +390,9 @@ async def test_health_ready_and_metrics_follow_startup(tmp_path: Path) -> None:
             # the warm-up's chunks went through the codec; a CPU has no early lane
             assert metric(text, "qwen3tts_engine_codec_decodes") >= 1
             assert metric(text, "qwen3tts_engine_early_codec_decodes") == 0
+            late = [metric(text, "qwen3tts_engine_late_chunks_by_index", index=i) for i in ("1", "2", "3", "4+")]
+            assert "qwen3tts_engine_late_chunks_by_index" in text
+            assert sum(late) == metric(text, "qwen3tts_engine_late_chunks")
             assert metric(text, "qwen3tts_errors_total", code="not_ready") == 2
             assert (await client.get("/metrics", headers={"Authorization": "Bearer nope"})).status_code == 401
     finally:

@@ -70,6 +70,8 @@ SAMPLE_RATE = 24_000
 FRAME_S = 0.08  # audio per codec frame
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
 BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
+# metric families kept per label set by `scrape` (the others are summed over their labels)
+LABELLED_FAMILIES = ("qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index")
 # streams open or waiting for a slot, in the API workers and in the engine: all 0 once the server is idle
 LIVE_GAUGES = ("qwen3tts_active_streams", "qwen3tts_queued_requests", "qwen3tts_engine_active_streams",
                "qwen3tts_engine_queued_streams")
@@ -410,7 +412,7 @@ class CapacitySearch:
 
 def scrape(url: str, api_key: str | None) -> dict[str, float]:
     """The server's Prometheus counters and gauges (families named qwen3tts_*): counters summed over their
-    labels, the engine's loop seconds per phase."""
+    labels, the engine's loop seconds per phase and its late chunks per chunk index."""
     request = urllib.request.Request(url.replace("ws://", "http://") + "/metrics")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -419,7 +421,7 @@ def scrape(url: str, api_key: str | None) -> dict[str, float]:
         for line in response.read().decode().splitlines():
             if line.startswith("qwen3tts_") and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                key = name if name.startswith("qwen3tts_engine_loop_seconds") else name.split("{")[0]
+                key = name if name.startswith(LABELLED_FAMILIES) else name.split("{")[0]
                 if key.endswith("_bucket"):
                     continue
                 values[key] = values.get(key, 0.0) + float(value)
@@ -435,11 +437,12 @@ def _cumulative(name: str) -> bool:
                                          "codec_decodes", "codec_chunks", "clock_releases", "first_audio_holds"))
 
 
-def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float | None]:
+def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, object]:
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
-    and the codec calls a second (those of the early lane apart) with their mean chunks."""
+    and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
+    late, by their place in their stream (the second chunk, the third, the fourth, later ones)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
@@ -452,6 +455,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, float
         "codec_decodes_per_s": decodes / seconds,
         "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
+        "late_chunks_by_index": {name.split('index="')[1].rstrip('"}'): value for name, value in metrics.items()
+                                 if name.startswith("qwen3tts_engine_late_chunks_by_index{")},
     }
 
 
@@ -629,7 +634,7 @@ def print_summary(summary: dict[str, object]) -> None:
               f"{summary['mean_streams_generating']:.0f} generating, {summary['mean_streams_playing']:.0f} playing",
               flush=True)
     print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
-    engine = {k: None if v is None else round(v, 1) for k, v in summary["engine"].items()}  # type: ignore[attr-defined]
+    engine = {k: round(v, 1) if isinstance(v, float) else v for k, v in summary["engine"].items()}  # type: ignore[attr-defined]
     print(f"  engine: {json.dumps(engine)}", flush=True)
 
 

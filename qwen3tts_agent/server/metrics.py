@@ -52,6 +52,14 @@ class _EngineCollector(Collector):
         for phase, seconds in stats.loop_seconds.items():
             loop.add_metric([phase], float(seconds))
         yield loop
+        late = GaugeMetricFamily(
+            "qwen3tts_engine_late_chunks_by_index",
+            "Chunks that left late, by their place in their stream (1: the second chunk; 4+: the fifth and later)",
+            labels=["index"],
+        )
+        for index, count in stats.late_by_index.items():
+            late.add_metric([index], float(count))
+        yield late
 
 
 class _HeldCollector(Collector):

@@ -427,6 +427,7 @@ class Engine(EngineFrontend):
             **{f.name: getattr(base, f.name) + getattr(now, f.name) for f in fields(CoreStats)},  # this core's and dead ones'
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
+            late_by_index=dict(scheduler.load.stats.late_by_index),
             overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
             healthy=self.healthy,
             restarts=self._restarts,

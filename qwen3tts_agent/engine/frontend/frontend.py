@@ -114,6 +114,8 @@ class EngineStats:
     early_codec_decodes: int = 0  # ... of the calls, those on a GPU's early lane (new streams' first two chunks)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
+    # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"
+    late_by_index: dict[str, int] = field(default_factory=dict)
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it

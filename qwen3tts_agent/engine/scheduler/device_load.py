@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .requests import FRAME_SECONDS
 
@@ -36,10 +36,22 @@ LATE_CHUNKS_TO_SHED = 3
 FIRST_FRAME_PAUSE_S = 2.0
 
 
+# Late chunks are also counted by their place in their stream (`LoadStats.late_by_index`): the second and third
+# chunks, due 80 and 240 ms after the first, have little audio ahead of them, later ones seconds of it, so the
+# split tells a device too slow for new streams' early chunks from a codec lane that falls behind.
+LATE_INDEX_KEYS = ("1", "2", "3", "4+")
+
+
+def late_index_key(chunk_index: int) -> str:
+    """The `late_by_index` key of a stream's chunk `chunk_index` (0 is its first, which has no deadline)."""
+    return LATE_INDEX_KEYS[min(chunk_index, len(LATE_INDEX_KEYS)) - 1]
+
+
 @dataclass
 class LoadStats:
     late_chunks: int = 0
     underrun_seconds: float = 0.0
+    late_by_index: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATE_INDEX_KEYS, 0))
 
 
 class DeviceLoad:
@@ -76,12 +88,14 @@ class DeviceLoad:
         if not self._steps:
             self._step_total = 0.0  # no rounding left over from the subtractions
 
-    def on_delivered(self, deadline: float, now: float) -> None:
-        """A chunk due at `deadline` left the core at `now`: book it if it left late."""
+    def on_delivered(self, deadline: float, now: float, chunk_index: int) -> None:
+        """A stream's chunk `chunk_index` (1 or more: the first has no deadline), due at `deadline`, left the core
+        at `now`: book it if it left late."""
         if now > deadline:
             with self._lock:
                 self._last_late = now
                 self.stats.late_chunks += 1
+                self.stats.late_by_index[late_index_key(chunk_index)] += 1
                 self.stats.underrun_seconds += now - deadline
                 self._late_at.append(now)
 

@@ -524,7 +524,7 @@ class Scheduler:
         if deadline is None:
             request.first_audio = now
         else:
-            self.load.on_delivered(deadline, now)
+            self.load.on_delivered(deadline, now, plan.index)
         request.delivered_frames = plan.frame_start + plan.n_frames
 
     def audio_streams(self) -> int:

@@ -274,6 +274,9 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
         assert not scheduler.load.overloaded(1.0)
         scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
     assert scheduler.load.stats.late_chunks == LATE_CHUNKS_TO_SHED
+    # the chunks after the first, one frame each, by their place: the second ("1"), the third, the fourth, later
+    places = ["1", "2", "3", *["4+"] * LATE_CHUNKS_TO_SHED][:LATE_CHUNKS_TO_SHED]
+    assert scheduler.load.stats.late_by_index == {key: places.count(key) for key in ("1", "2", "3", "4+")}
     # chunk k is due k frames after the first and left k * 30 ms after that
     assert scheduler.load.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
     now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
@@ -314,7 +317,7 @@ def test_one_long_step_counts_for_the_step_window_and_then_not_at_all_whether_st
 def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries() -> None:
     load = DeviceLoad()
     for i in range(LATE_CHUNKS_TO_SHED):
-        load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i)  # the stream's chunks left late
+        load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i, chunk_index=4 + i)  # the stream's chunks left late
     last = 10.1 + 0.01 * (LATE_CHUNKS_TO_SHED - 1)
     assert load.overloaded(last) and load.first_frames_paused(last)
     assert not load.overloaded(last + LATE_WINDOW_S + 0.001)  # nothing delivered since: it fades all the same
