@@ -36,7 +36,7 @@
 # and 20 req/s over HTTP; RAY_WINDOW sets the window seconds; RAY_REPLICA_COUNTS="serve" the baseline alone, "2" the
 # replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
 # are SIGKILLed: benchmarks/serving/ray_faults.py), ray-1gpu-autoscale (one half-GPU replica that may become two,
-# --target-ongoing-requests RAY_TARGET_ONGOING (30), --upscale-delay RAY_UPSCALE_DELAY (10 s), the server's own
+# --autoscale-on RAY_AUTOSCALE_ON (engine-load; ongoing-requests is Serve's signal), --upscale-delay RAY_UPSCALE_DELAY (10 s), the server's own
 # queue bounds (a full replica refuses), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s (180)) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
@@ -245,7 +245,7 @@ for stage in "$@"; do
       checkpoint synthetic:0.6b > /dev/null
       ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
         python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --min-replicas 1 --max-replicas 2 \
-          --target-ongoing-requests ${RAY_TARGET_ONGOING:-30} --upscale-delay ${RAY_UPSCALE_DELAY:-10} \
+          --autoscale-on ${RAY_AUTOSCALE_ON:-engine-load} --upscale-delay ${RAY_UPSCALE_DELAY:-10} \
           --look-back-period 10 --num-gpus 0.5 --num-cpus 4 --engine-core process \
           ${RAY_SERVE_ARGS:-} --port 18202 --max-sessions 100000 \
           --log-level warning > "$out/serve-ray-autoscale.log" 2>&1 &

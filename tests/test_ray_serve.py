@@ -37,6 +37,13 @@ from qwen3tts_agent.ray.app import (
     config_settings,
     deployment_options,
 )
+from qwen3tts_agent.ray.autoscaling import (
+    ENGINE_LOAD_METRIC,
+    EngineLoadPolicy,
+    LoadMeter,
+    engine_load,
+    engine_load_policy,
+)
 from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
@@ -69,13 +76,10 @@ def app_settings(voices_dir: Path) -> RayServeSettings:
     )
 
 
-# Serve's processes read these at start: the proxy's middleware, and how often the proxy and the replicas
-# send the autoscaler their ongoing requests (10 s by default), so the autoscaling test sees scaling soon.
-CLUSTER_ENV = {
-    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
-    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-}
+# Serve's processes read this at start: the proxy's middleware. (How often the proxies and the replicas send
+# the autoscaler their metrics is the autoscaling config's `metrics_interval_s`, 10 s: Ray 2.60 defines the
+# RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables but reads neither.)
+CLUSTER_ENV = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
 
 
 @pytest.fixture(scope="module")
@@ -362,8 +366,8 @@ async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_r
 async def test_autoscaling_adds_a_replica_for_sessions_and_removes_it_after(serve_url: str, tmp_path: Path) -> None:
     """Redeploys the application autoscaled (runs after the tests of the fixed two replicas)."""
     settings = replace(
-        app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, target_ongoing_requests=2,
-        look_back_period_s=1.0, upscale_delay_s=0.5, downscale_delay_s=2.0,
+        app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, autoscale_on="ongoing-requests",
+        target_ongoing_requests=2, look_back_period_s=1.0, upscale_delay_s=0.5, downscale_delay_s=2.0,
     )
     serve.run(build_app(settings), name=APP, route_prefix="/")
     first = await wait_for_replicas(1)
@@ -379,6 +383,135 @@ async def test_autoscaling_adds_a_replica_for_sessions_and_removes_it_after(serv
     assert len(await wait_for_replicas(1)) == 1  # idle again: back to min_replicas
 
 
+async def test_engine_load_autoscaling_adds_a_replica_for_busy_slots_and_removes_it_after(
+    serve_url: str, tmp_path: Path
+) -> None:
+    """Redeploys the application autoscaled on engine load. Two sessions that hold the one replica's two slots
+    (load 1.0 against a target of 0.6) bring the second replica; as ongoing requests they are 2, an eighth of the
+    default target of that signal. Once they end, the load is 0 and Serve goes back to one replica."""
+    settings = replace(
+        app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, autoscale_on="engine-load",
+        target_engine_load=0.6, look_back_period_s=1.0, upscale_delay_s=0.5, downscale_delay_s=2.0,
+    )
+    serve.run(build_app(settings), name=APP, route_prefix="/")
+    first = await wait_for_replicas(1)
+    held: list[Session] = []
+    newcomer: Session | None = None
+    try:
+        for _ in range(SLOTS):  # unflushed text holds a synthesis slot until the flush
+            s = await Session.open(serve_url, max_frames=4)
+            await s.say("Hold this slot", flush=False)
+            held.append(s)
+        assert {s.replica for s in held} == first
+        grown = await wait_for_replicas(2)
+        newcomer = await Session.open(serve_url, max_frames=4)
+        assert {newcomer.replica} == grown - first  # the full replica is passed over for the new one
+        await newcomer.say("Hello from the new replica.")
+        done, _ = await newcomer.until("done")
+        assert done["finish_reason"] == "max_frames"
+        for s in held:
+            await s.ws.send(json.dumps({"type": "flush"}))
+            done, pcm = await s.until("done")
+            assert done["finish_reason"] == "max_frames" and pcm > 0
+    finally:
+        await asyncio.gather(*(s.close() for s in [*held, *([newcomer] if newcomer else [])]))
+    assert len(await wait_for_replicas(1)) == 1  # no load left: back to min_replicas
+
+
+def _context(
+    loads: dict[str, float] | None, *, running: str = "ab", target: int = 2, min_replicas: int = 1,
+    max_replicas: int = 4, policy_state: dict[str, Any] | None = None, config: Any = None,
+) -> Any:
+    """An AutoscalingContext as Serve's controller builds it, with engine-load reports of the replicas named."""
+    from ray.serve.config import AutoscalingContext
+
+    deployment = DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP)
+    replica = {name: ReplicaID(name, deployment) for name in "abcdef"}
+    return AutoscalingContext(
+        deployment_id=deployment, deployment_name=ENGINE_DEPLOYMENT, app_name=APP,
+        current_num_replicas=len(running), target_num_replicas=target,
+        running_replicas=[replica[name] for name in running],
+        total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics=None if loads is None else {
+            ENGINE_LOAD_METRIC: {replica[name]: load for name, load in loads.items()}
+        },
+        raw_metrics=None, capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=max_replicas,
+        policy_state=policy_state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+        config=config,
+    )
+
+
+def test_the_engine_load_policy_wants_the_replicas_that_bring_the_mean_load_to_its_target() -> None:
+    def wanted(loads: dict[str, float] | None, **kw: Any) -> int:
+        count, state = engine_load_policy(_context(loads, **kw), 0.6)
+        assert state == {}
+        return count
+
+    assert wanted({"a": 0.9, "b": 0.9}) == 3  # 1.8 replicas' worth of load / 0.6 per replica
+    assert wanted({"a": 0.6, "b": 0.6}) == 2  # on target: as many as now (1.2 / 0.6 is 2.0000000000000004)
+    assert wanted({"a": 0.2, "b": 0.3}) == 1  # 0.5 fits one replica at 0.6
+    assert wanted({"a": 1.0, "b": 1.0, "c": 1.0}, running="abc", target=3) == 4  # clamped to max_replicas
+    assert wanted({"a": 0.0, "b": 0.0}, min_replicas=2) == 2  # clamped to min_replicas
+    assert wanted(None) == 2 and wanted({}) == 2  # nothing reported yet: hold the current target
+    assert wanted({"a": 1.2}) == 2  # b started and has not reported: it carries nothing yet
+    assert wanted({"a": 0.3, "c": 5.0}) == 1  # c is not running any more: its last report is ignored
+    assert EngineLoadPolicy(0.5)(_context({"a": 0.9, "b": 0.9})) == (4, {})
+    with pytest.raises(ValueError, match="target_engine_load"):
+        EngineLoadPolicy(1.5)
+
+
+def test_serve_applies_its_delays_and_bounds_to_the_engine_load_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the controller's own path: the policy from the deployment's options, resolved and wrapped as
+    Serve's controller does (`_resolve_policy_callable`, `_apply_autoscaling_config`), on a clock of our own."""
+    from types import SimpleNamespace
+
+    from ray.serve import autoscaling_policy
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingConfig
+
+    settings = RayServeSettings(model="m", num_replicas=None, min_replicas=1, max_replicas=3,
+                                target_engine_load=0.6, upscale_delay_s=30.0, downscale_delay_s=600.0)
+    config = AutoscalingConfig(**deployment_options(settings)["autoscaling_config"])
+    policy = autoscaling_policy._apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    now = [1000.0]
+    monkeypatch.setattr(autoscaling_policy, "time", SimpleNamespace(time=lambda: now[0]))
+    state: dict[str, Any] = {}
+
+    def tick(seconds: float, loads: dict[str, float], target: int) -> int:
+        nonlocal state
+        now[0] += seconds
+        count, state = policy(_context(loads, running="abc"[:target], target=target, max_replicas=3,
+                                       policy_state=state, config=config))
+        return count
+
+    assert tick(0, {"a": 0.9}, 1) == 1  # over target: the wish to upscale starts now
+    assert tick(29, {"a": 0.9}, 1) == 1  # ... and holds 29 s: not yet
+    assert tick(1, {"a": 0.9}, 1) == 2  # 30 s (upscale_delay_s): one more replica
+    assert tick(10, {"a": 0.5, "b": 0.5}, 2) == 2  # on target (1.0 / 0.6 -> 2): nothing to do
+    assert tick(1, {"a": 0.2, "b": 0.1}, 2) == 2  # under: the wish to downscale starts
+    assert tick(300, {"a": 0.2, "b": 0.1}, 2) == 2
+    assert tick(1, {"a": 0.5, "b": 0.4}, 2) == 2  # back on target: the wish is forgotten
+    assert tick(1, {"a": 0.2, "b": 0.1}, 2) == 2
+    assert tick(599, {"a": 0.2, "b": 0.1}, 2) == 2  # 599 s of the new wish: not yet
+    assert tick(1, {"a": 0.2, "b": 0.1}, 2) == 1  # 600 s (downscale_delay_s): one replica fewer
+    assert tick(0, {"a": 3.0}, 1) == 1  # far over target: 5 wanted, but only after the upscale delay...
+    assert tick(30, {"a": 3.0}, 1) == 3  # ... and then max_replicas
+
+
+def test_the_engine_load_of_a_replica_and_its_mean_between_reads() -> None:
+    assert engine_load(busy=1, capacity=4, sessions=2, max_sessions=64, overloaded=False) == 0.25
+    assert engine_load(busy=6, capacity=4, sessions=6, max_sessions=64, overloaded=False) == 1.5  # queued
+    assert engine_load(busy=1, capacity=4, sessions=48, max_sessions=64, overloaded=False) == 0.75  # sessions
+    assert engine_load(busy=1, capacity=4, sessions=2, max_sessions=64, overloaded=True) == 1.0  # refusing
+    assert engine_load(busy=0, capacity=0, sessions=0, max_sessions=0, overloaded=False, available=False) == 1.0
+    meter = LoadMeter()
+    assert meter.take(0.5, now=10.0) == 0.5  # nothing sampled before: this sample
+    meter.observe(1.0, now=11.0)  # 0.5 held for 1 s, then 1.0 ...
+    meter.observe(0.0, now=14.0)  # ... for 3 s, then 0.0 ...
+    assert meter.take(0.0, now=18.0) == pytest.approx((0.5 * 1 + 1.0 * 3) / 8)  # ... for 4 s
+    assert meter.take(0.0, now=20.0) == 0.0  # a new window: only what came after the last read
+
+
 def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> None:
     settings = RayServeSettings.from_dict(
         {"model": "synthetic:tiny", "num_replicas": 2, "server": {"max_sessions": 8, "voices_dir": str(tmp_path)}}
@@ -392,6 +525,15 @@ def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> Non
         RayServeSettings.from_dict({"model": "m", "server": {"max_session": 2}})
     with pytest.raises(ValueError, match="engine_core"):
         RayServeSettings(model="m", engine_core="fiber").validate()
+    # autoscaling: on engine load unless told otherwise; a config written before `autoscale_on` existed, with
+    # its target of ongoing requests, keeps autoscaling on them
+    assert RayServeSettings.from_dict({"model": "m", "num_replicas": None}).autoscale_on == "engine-load"
+    older = RayServeSettings.from_dict({"model": "m", "num_replicas": None, "target_ongoing_requests": 48})
+    assert (older.autoscale_on, older.target_ongoing_requests) == ("ongoing-requests", 48)
+    with pytest.raises(ValueError, match="autoscale_on"):
+        RayServeSettings(model="m", autoscale_on="gpu-temperature").validate()
+    with pytest.raises(ValueError, match="target_engine_load"):
+        RayServeSettings(model="m", target_engine_load=0).validate()
 
 
 def _report(busy: int = 0, *, capacity: int = 2, sessions: int = 0, healthy: bool = True, overloaded: bool = False) -> dict[str, Any]:
@@ -500,13 +642,36 @@ def test_serve_ray_prints_a_config_that_builds_the_same_settings(capsys: pytest.
 
     from qwen3tts_agent.cli import main
 
-    assert main(["serve-ray", "--model", "synthetic:tiny", "--max-replicas", "3", "--num-gpus", "0",
-                 "--torch-threads", "1", "--max-sessions", "9", "--upscale-delay", "5", "--downscale-delay", "60",
-                 "--look-back-period", "10", "--print-config"]) == 0
-    config = yaml.safe_load(capsys.readouterr().out)
-    settings = RayServeSettings.from_dict(config["applications"][0]["args"])
+    def printed(*options: str) -> RayServeSettings:
+        assert main(["serve-ray", "--model", "synthetic:tiny", "--num-gpus", "0", *options, "--print-config"]) == 0
+        config = yaml.safe_load(capsys.readouterr().out)
+        return RayServeSettings.from_dict(config["applications"][0]["args"])
+
+    settings = printed("--max-replicas", "3", "--torch-threads", "1", "--max-sessions", "9", "--upscale-delay", "5",
+                       "--downscale-delay", "60", "--look-back-period", "10", "--target-engine-load", "0.5")
     assert (settings.num_replicas, settings.max_replicas, settings.server.max_sessions) == (None, 3, 9)
     assert (settings.upscale_delay_s, settings.downscale_delay_s, settings.look_back_period_s) == (5, 60, 10)
+    assert (settings.autoscale_on, settings.target_engine_load) == ("engine-load", 0.5)  # the default signal
     autoscaling = deployment_options(settings)["autoscaling_config"]
     assert (autoscaling["upscale_delay_s"], autoscaling["look_back_period_s"]) == (5, 10)
+    assert autoscaling["policy"] == {"policy_function": "qwen3tts_agent.ray.autoscaling:EngineLoadPolicy",
+                                     "policy_kwargs": {"target_engine_load": 0.5}}
+    assert "target_ongoing_requests" not in autoscaling
+
+    ongoing = printed("--max-replicas", "2", "--autoscale-on", "ongoing-requests")
+    assert (ongoing.autoscale_on, ongoing.target_ongoing_requests) == ("ongoing-requests", 16)
+    autoscaling = deployment_options(ongoing)["autoscaling_config"]
+    assert autoscaling["target_ongoing_requests"] == 16 and "policy" not in autoscaling  # Serve's default policy
+    # a target of ongoing requests alone means that signal (command lines from before --autoscale-on); one of
+    # the signal not chosen is ignored, with a note
+    assert printed("--max-replicas", "2", "--target-ongoing-requests", "30").autoscale_on == "ongoing-requests"
+    assert main(["serve-ray", "--model", "m", "--max-replicas", "2", "--num-gpus", "0", "--autoscale-on",
+                 "engine-load", "--target-ongoing-requests", "30", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "--target-ongoing-requests is ignored with --autoscale-on engine-load" in err
+    assert yaml.safe_load(out)["applications"][0]["args"]["autoscale_on"] == "engine-load"
+
     assert main(["serve-ray", "--model", "m", "--replicas", "0"]) == 2
+    for refused in (["--target-engine-load", "0.5", "--target-ongoing-requests", "30"], ["--target-engine-load", "1.5"]):
+        assert main(["serve-ray", "--model", "m", "--max-replicas", "2", "--num-gpus", "0", *refused,
+                     "--print-config"]) == 2, refused

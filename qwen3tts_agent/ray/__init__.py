@@ -2,8 +2,9 @@
 
 Needs the `[ray]` extra. See docs/ray.md; the pieces: `settings.RayServeSettings`, `app.build_app`
 (the Serve application), `replica.EngineReplica` (one engine and the server's app), `router.LoadAwareRouter`
-(new sessions to the least loaded replica), `metrics` (every replica's metrics through one endpoint),
-`proxy` (the server's error shapes where Serve's proxy answers), `cli` (`qwen3tts-agent serve-ray`).
+(new sessions to the least loaded replica), `autoscaling` (replicas added and removed on the engines' load),
+`metrics` (every replica's metrics through one endpoint), `proxy` (the server's error shapes where Serve's
+proxy answers), `cli` (`qwen3tts-agent serve-ray`).
 """
 
 from .settings import RayServeSettings

@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from .autoscaling import POLICY
 from .metrics import MetricsHub
 from .replica import EngineReplica
 from .settings import RayServeSettings
@@ -41,15 +42,21 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
     if settings.num_replicas is not None:
         options["num_replicas"] = settings.num_replicas
     else:
-        options["autoscaling_config"] = {
+        autoscaling: dict[str, Any] = {
             "min_replicas": settings.min_replicas,
             "initial_replicas": max(1, settings.min_replicas),
             "max_replicas": settings.max_replicas,
-            "target_ongoing_requests": settings.target_ongoing_requests,
             "look_back_period_s": settings.look_back_period_s,
             "upscale_delay_s": settings.upscale_delay_s,
             "downscale_delay_s": settings.downscale_delay_s,
         }
+        if settings.autoscale_on == "engine-load":
+            # Serve applies the delays and min/max to what the policy returns (autoscaling.py's docstring)
+            autoscaling["policy"] = {"policy_function": POLICY,
+                                     "policy_kwargs": {"target_engine_load": settings.target_engine_load}}
+        else:
+            autoscaling["target_ongoing_requests"] = settings.target_ongoing_requests
+        options["autoscaling_config"] = autoscaling
     return options
 
 

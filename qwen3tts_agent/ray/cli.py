@@ -14,7 +14,7 @@ import ray  # imported here so a missing [ray] extra shows when the CLI register
 from ray import serve
 
 from ..server.cli import add_server_arguments, server_config_from_args
-from .settings import ENGINE_CORES, RayServeSettings
+from .settings import AUTOSCALE_SIGNALS, ENGINE_CORES, RayServeSettings
 
 
 def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,16 +27,25 @@ def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--replicas", type=int, default=1, help="engine replicas (fixed; see --max-replicas to autoscale)")
     p.add_argument("--min-replicas", type=int, default=d.min_replicas, help="autoscaling: fewest replicas")
     p.add_argument("--max-replicas", type=int,
-                   help="autoscale between --min-replicas and this on ongoing requests (sessions + HTTP requests)")
-    p.add_argument("--target-ongoing-requests", type=float, default=d.target_ongoing_requests,
-                   help="autoscaling: ongoing requests per replica the autoscaler aims at (a WebSocket session "
-                   "counts while it is open, a fraction of its audio's playing time: docs/ray.md)")
+                   help="autoscale between --min-replicas and this, on --autoscale-on")
+    p.add_argument("--autoscale-on", choices=AUTOSCALE_SIGNALS,
+                   help="autoscaling: what to scale on: each replica's engine load (utterances per synthesis slot, "
+                   "sessions per --max-sessions, 1 when the engine refuses for running behind) or Serve's ongoing "
+                   "requests (default: engine-load, or ongoing-requests where --target-ongoing-requests is given)")
+    p.add_argument("--target-engine-load", type=float,
+                   help=f"autoscaling on engine-load: the replicas' mean load to keep (0 to 1; default "
+                   f"{d.target_engine_load})")
+    p.add_argument("--target-ongoing-requests", type=float,
+                   help=f"autoscaling on ongoing-requests: ongoing requests per replica the autoscaler aims at "
+                   f"(default {d.target_ongoing_requests:g}; a WebSocket session counts while it is open, a fraction "
+                   "of its audio's playing time: docs/ray.md)")
     p.add_argument("--upscale-delay", type=float, default=d.upscale_delay_s,
                    help="autoscaling: seconds the wish for more replicas must hold before one is added")
     p.add_argument("--downscale-delay", type=float, default=d.downscale_delay_s,
                    help="autoscaling: seconds the wish for fewer replicas must hold before one is removed")
     p.add_argument("--look-back-period", type=float, default=d.look_back_period_s,
-                   help="autoscaling: seconds over which ongoing requests are averaged")
+                   help="autoscaling: seconds over which each replica's engine load (or the ongoing requests) "
+                   "is averaged")
     p.add_argument("--engine-core", choices=ENGINE_CORES, default=d.engine_core,
                    help="the engine's step loop on a thread of each replica, or in a child process of it")
     p.add_argument("--num-gpus", type=float, help="GPUs per replica (default: 1 where this machine has CUDA, else 0)")
@@ -66,6 +75,8 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
 
         num_gpus = 1.0 if args.device != "cpu" and torch.cuda.is_available() else 0.0
     autoscale = args.max_replicas is not None
+    d = RayServeSettings(model="")
+    autoscale_on = autoscale_signal(args)
     return RayServeSettings(
         model=args.model,
         server=server_config_from_args(args),
@@ -80,7 +91,11 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         num_replicas=None if autoscale else args.replicas,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas if autoscale else args.replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
+        autoscale_on=autoscale_on,
+        target_engine_load=d.target_engine_load if args.target_engine_load is None else args.target_engine_load,
+        target_ongoing_requests=(
+            d.target_ongoing_requests if args.target_ongoing_requests is None else args.target_ongoing_requests
+        ),
         upscale_delay_s=args.upscale_delay,
         downscale_delay_s=args.downscale_delay,
         look_back_period_s=args.look_back_period,
@@ -92,6 +107,27 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         routing_stats_period_s=args.routing_stats_period,
         app_name=args.app_name,
     )
+
+
+def autoscale_signal(args: argparse.Namespace) -> str:
+    """`--autoscale-on`, or what the targets given imply: ongoing-requests where only --target-ongoing-requests
+    is given (command lines from before --autoscale-on), else engine-load. A target of the signal not chosen is
+    ignored, with a note (so a script's target stays valid when --autoscale-on is added to it)."""
+    engine_target = args.target_engine_load is not None
+    ongoing_target = args.target_ongoing_requests is not None
+    if args.autoscale_on is None:
+        if engine_target and ongoing_target:
+            raise ValueError("--target-engine-load and --target-ongoing-requests are targets of two signals: "
+                             "choose one with --autoscale-on")
+        return "ongoing-requests" if ongoing_target else "engine-load"
+    ignored = (
+        "--target-ongoing-requests" if args.autoscale_on == "engine-load" and ongoing_target
+        else "--target-engine-load" if args.autoscale_on == "ongoing-requests" and engine_target
+        else None
+    )
+    if ignored is not None:
+        print(f"note: {ignored} is ignored with --autoscale-on {args.autoscale_on}", file=sys.stderr)
+    return str(args.autoscale_on)
 
 
 def serve_config(settings: RayServeSettings) -> dict[str, Any]:

@@ -7,7 +7,8 @@ life: its engine streams never move. On top of the app, the replica
 
 - becomes routable only once its engine is loaded and warmed up (the app's start-up runs inside Serve's
   replica start, which waits for readiness and fails, so Serve retries, if loading failed);
-- reports its load to the routers (`record_routing_stats`, read by `router.LoadAwareRouter`);
+- reports its load to the routers (`record_routing_stats`, read by `router.LoadAwareRouter`) and to Serve's
+  autoscaler (`record_autoscaling_stats`: its engine load, read by `autoscaling.EngineLoadPolicy`);
 - fails Serve's health check while its engine is down or failed, so Serve replaces the replica (the
   engine's own restarts of a dead core come first: Serve acts after three failed checks in a row);
 - names itself in an `x-qwen3tts-replica` response header (HTTP responses and WebSocket handshakes);
@@ -34,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.app import create_app
 from ..server.state import ServerState
+from .autoscaling import ENGINE_LOAD_METRIC, LoadMeter, engine_load
 from .metrics import PUSH_INTERVAL_S, merge, render
 from .settings import RayServeSettings
 
@@ -73,6 +75,7 @@ class EngineReplica:
         self._core: Any = None  # engine.process.EngineProcess with engine_core="process"
         self._state: ServerState | None = None
         self._pusher: asyncio.Task[None] | None = None
+        self._load = LoadMeter()  # engine load sampled at each routing-stats poll, averaged for the autoscaler
 
     # ------------------------------------------------------------------ the app
     def __serve_build_asgi_app__(self) -> ASGIApp:
@@ -140,7 +143,20 @@ class EngineReplica:
             raise RuntimeError("the engine core is down")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """This replica's load, for `router.LoadAwareRouter` (pulled by Serve every routing_stats_period_s)."""
+        """This replica's load, for `router.LoadAwareRouter` (pulled by Serve every routing_stats_period_s);
+        each poll is also a sample of the engine load reported to the autoscaler."""
+        stats = self._current_load()
+        self._load.observe(self._engine_load(stats), time.monotonic())
+        return stats
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric, read by `autoscaling.EngineLoadPolicy`: this replica's engine load
+        (`autoscaling.engine_load`), averaged over the time since Serve last asked (`autoscaling.LoadMeter`).
+        Serve calls it every look_back_period_s / 5 (at most 10 s) once the deployment autoscales."""
+        load = self._engine_load(self._current_load())
+        return {ENGINE_LOAD_METRIC: self._load.take(load, time.monotonic())}
+
+    def _current_load(self) -> dict[str, Any]:
         state = self._state
         if state is None or not state.ready:
             return {"at": time.time(), "ready": False, "healthy": False, "overloaded": False,
@@ -158,6 +174,14 @@ class EngineReplica:
             "sessions": state.sessions,
             "max_sessions": state.config.max_sessions,
         }
+
+    @staticmethod
+    def _engine_load(stats: dict[str, Any]) -> float:
+        return engine_load(
+            busy=stats["busy"], capacity=stats["capacity"], sessions=stats["sessions"],
+            max_sessions=stats["max_sessions"], overloaded=stats["overloaded"],
+            available=stats["ready"] and stats["healthy"],
+        )
 
     # ------------------------------------------------------------------ metrics
     async def _push_metrics(self, state: ServerState) -> None:

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..server.config import ServerConfig
+from .autoscaling import DEFAULT_TARGET_ENGINE_LOAD, check_target
 
 ENGINE_CORES = ("thread", "process")
+AUTOSCALE_SIGNALS = ("engine-load", "ongoing-requests")
 BACKENDS = ("auto", "torch", "int8", "int4", "fp32")
 
 
@@ -36,9 +38,16 @@ class RayServeSettings:
             with the replica's HTTP/WebSocket handling.
         torch_threads: torch's intra-op threads per replica (None: torch's default).
         num_replicas: a fixed number of replicas, or None to autoscale between `min_replicas` and
-            `max_replicas` on ongoing requests (sessions and HTTP requests) per replica.
-        target_ongoing_requests: the autoscaler's target of ongoing requests per replica.
-        look_back_period_s: the window over which the autoscaler averages ongoing requests (Serve's default).
+            `max_replicas` on `autoscale_on`.
+        autoscale_on: what the autoscaler reads: "engine-load" (each replica's engine load, `autoscaling.
+            engine_load`: utterances per synthesis slot, or sessions per session limit, 1 when the engine
+            refuses; the policy `autoscaling.EngineLoadPolicy` keeps the replicas' mean at `target_engine_load`),
+            or "ongoing-requests" (Serve's default policy: sessions and HTTP requests per replica, kept at
+            `target_ongoing_requests`). From a Serve config's `args` that set `target_ongoing_requests` but
+            not `autoscale_on`: "ongoing-requests", as before this setting existed (`from_dict`).
+        target_engine_load: the engine-load policy's target of mean load per replica (0 to 1).
+        target_ongoing_requests: the default policy's target of ongoing requests per replica.
+        look_back_period_s: the window over which the autoscaler averages its signal (Serve's default).
         upscale_delay_s, downscale_delay_s: how long the autoscaler's decision must hold before it adds or
             removes replicas (Serve's defaults).
         num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster). Below one
@@ -67,6 +76,8 @@ class RayServeSettings:
     num_replicas: int | None = 1
     min_replicas: int = 1
     max_replicas: int = 1
+    autoscale_on: str = "engine-load"
+    target_engine_load: float = DEFAULT_TARGET_ENGINE_LOAD
     target_ongoing_requests: float = 16.0
     look_back_period_s: float = 30.0
     upscale_delay_s: float = 30.0
@@ -107,6 +118,9 @@ class RayServeSettings:
             raise ValueError("num_gpus and num_cpus must not be negative")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be at least 1, got {self.max_ongoing_requests}")
+        if self.autoscale_on not in AUTOSCALE_SIGNALS:
+            raise ValueError(f"autoscale_on must be one of {AUTOSCALE_SIGNALS}, got {self.autoscale_on!r}")
+        check_target(self.target_engine_load)
         if self.target_ongoing_requests <= 0:
             raise ValueError(f"target_ongoing_requests must be positive, got {self.target_ongoing_requests}")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
@@ -137,7 +151,11 @@ class RayServeSettings:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RayServeSettings:
-        """From a Serve config's `args` (plain YAML values): unknown keys are refused by name."""
+        """From a Serve config's `args` (plain YAML values): unknown keys are refused by name. `args` that set
+        `target_ongoing_requests` but not `autoscale_on` autoscale on ongoing requests, as they did before
+        `autoscale_on` existed."""
+        if "autoscale_on" not in values and "target_ongoing_requests" in values:
+            values = {**values, "autoscale_on": "ongoing-requests"}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
