@@ -25,6 +25,8 @@ windows are in `runs`).
 
     python -m benchmarks.serving.load --model synthetic:1.7b-customvoice --rates 1 20 40 80 --out load.json
     python -m benchmarks.serving.load --url ws://127.0.0.1:8000 --rates 5 --duration 10     # a running server
+    python -m benchmarks.serving.load --url ws://127.0.0.1:8000 --client-urls ws://127.0.0.1:30000 \
+        ws://127.0.0.1:30001 --rates 20          # clients spread over two replicas' own ports, metrics from --url
     python -m benchmarks.serving.load --model synthetic:0.6b --rates --held 256 --warmup 10 --duration 60
     python -m benchmarks.serving.load --model synthetic:1.7b-customvoice --capacity --duration 30 --out capacity.json
 
@@ -514,9 +516,10 @@ def run_rate(
     results: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
     start_at = time.monotonic() + 2.0  # every client process is up by then
     total = args.warmup + args.duration
+    endpoints = args.client_urls or [url]
     clients = [
         context.Process(target=client_process, args=(ClientPlan(
-            url, transport, rate / args.clients, total, seed=1000 * i + int(rate * 10), voice=args.voice,
+            endpoints[i % len(endpoints)], transport, rate / args.clients, total, seed=1000 * i + int(rate * 10), voice=args.voice,
             language=args.language, frames=args.frames, api_key=args.api_key, start_at=start_at,
             held=held // args.clients + (1 if i < held % args.clients else 0), back_to_back=args.back_to_back,
         ), results))
@@ -668,6 +671,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="synthetic:tiny")
     parser.add_argument("--url", help="a running server (ws://host:port); otherwise serve is started here")
+    parser.add_argument("--client-urls", nargs="+",
+                        help="the endpoints the client processes send to instead of --url, client i to the i-th "
+                             "modulo their number (e.g. each replica of serve-ray --direct-ingress); the server's "
+                             "metrics are still read from --url")
     parser.add_argument("--server-arg", action="append", default=[], help="extra argument for serve (repeatable)")
     parser.add_argument("--server-log", help="write serve's output here")
     parser.add_argument("--startup-timeout", type=float, default=900)
@@ -715,6 +722,8 @@ def main() -> None:
         args.profile_dir = args.out.with_suffix("") if args.out else Path("load-profile")
     if args.profile and args.url:
         parser.error("--profile needs the server started here (not --url)")
+    if args.client_urls and (not args.url or args.clients % len(args.client_urls)):
+        parser.error("--client-urls needs --url (for the metrics) and --clients a multiple of their number")
 
     server = None
     url = args.url

@@ -36,15 +36,15 @@ LATE_CHUNKS_TO_SHED = 3
 FIRST_FRAME_PAUSE_S = 2.0
 
 
-# Late chunks are also counted by their place in their stream (`LoadStats.late_by_index`): the second and third
-# chunks, due 80 and 240 ms after the first, have little audio ahead of them, later ones seconds of it, so the
-# split tells a device too slow for new streams' early chunks from a codec lane that falls behind.
+# Late chunks are also counted by their place in their stream (`LoadStats.late_by_index`): with the default chunk
+# schedule the second and third chunks have little audio ahead of them, later ones seconds of it, so the split
+# tells a device too slow for new streams' early chunks from a codec lane that falls behind.
 LATE_INDEX_KEYS = ("1", "2", "3", "4+")
 
 
 def late_index_key(chunk_index: int) -> str:
     """The `late_by_index` key of a stream's chunk `chunk_index` (0 is its first, which has no deadline)."""
-    return LATE_INDEX_KEYS[min(chunk_index, len(LATE_INDEX_KEYS)) - 1]
+    return LATE_INDEX_KEYS[max(1, min(chunk_index, len(LATE_INDEX_KEYS))) - 1]
 
 
 @dataclass
