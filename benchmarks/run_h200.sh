@@ -40,6 +40,9 @@
 # queue bounds (a full replica refuses), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s (180)) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
+# Also ray-1gpu-direct (after ray-install, like ray-1gpu: Serve's direct ingress, `serve-ray --direct-ingress`, two
+# replicas of half the GPU then one of all of it, the load's 4 client processes on the replicas' own ports
+# (load.py --client-urls) at ray-1gpu's rates; RAY_REPLICA_COUNTS, RAY_WINDOW, RAY_SERVE_ARGS as there).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -223,6 +226,18 @@ for stage in "$@"; do
         LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
         bash benchmarks/serving/ray_scaling.sh "$out/ray-1gpu" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
         2>&1 | tee -a "$out/ray-1gpu.log" ;;
+    ray-1gpu-direct)
+      # Serve's direct ingress: each replica serves its own port (no proxy hop per WebSocket message); the load's
+      # clients spread over those ports, metrics through the proxy; 2 replicas of half the GPU, then 1 of all of it
+      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+      checkpoint synthetic:0.6b > /dev/null
+      PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" DIRECT=1 \
+        GPUS_PER_DEPLOYMENT=1 NUM_CPUS=4 ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= PORT=18203 \
+        REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2 1}" SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
+        LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
+        bash benchmarks/serving/ray_scaling.sh "$out/ray-1gpu-direct" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
+        2>&1 | tee -a "$out/ray-1gpu-direct.log" ;;
     ray-1gpu-faults)
       # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process
       [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }

@@ -312,6 +312,11 @@ def test_metrics_are_summed_over_replicas_and_kept_apart_per_replica(serve_url: 
     assert httpx.get(f"http://{serve_url}/metrics", timeout=10).status_code == 401
 
 
+def test_without_direct_ingress_the_replicas_have_no_ports_of_their_own(serve_url: str) -> None:
+    listed = httpx.get(f"http://{serve_url}/v1/replicas", headers=AUTH, timeout=30)  # see test_ray_direct_ingress.py
+    assert listed.status_code == 200 and listed.json() == {"direct_ingress": False, "replicas": []}
+
+
 async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url: str) -> None:
     sessions = await asyncio.gather(*(Session.open(serve_url, max_frames=4) for _ in range(2)))
     sick = sessions[0].replica

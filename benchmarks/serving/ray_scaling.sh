@@ -11,6 +11,10 @@
 # After each Serve run, OUT/replicas-N-spread.json gives each replica's share of the utterances and sessions
 # (from /metrics/replicas, before and after the load).
 #
+# With DIRECT=1, `serve-ray --direct-ingress`: each replica also serves a port of its own (Serve's direct ingress,
+# docs/ray.md), and the load's client processes go to those ports, spread evenly (load.py --client-urls, the list
+# from GET /v1/replicas; --clients must be a multiple of the replicas), with the metrics still read through the proxy.
+#
 # Usage: bash benchmarks/serving/ray_scaling.sh OUT "LOAD ARGS FOR 1 REPLICA (and serve)" "LOAD ARGS FOR 2 REPLICAS"
 #   CPU: bash benchmarks/serving/ray_scaling.sh OUT "--rates 0.6 0.9" "--rates 1.2 1.8"
 #   GPU: NUM_GPUS=1 NUM_CPUS=4 ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= \
@@ -18,9 +22,13 @@
 #   one GPU, two replicas on it beside `serve` (run_h200.sh's ray-1gpu stage):
 #        REPLICA_COUNTS="serve 2" NUM_GPUS=0.5 SERVE_ARGS="--max-streams 128" ... \
 #        bash benchmarks/serving/ray_scaling.sh OUT "--rates 1 20 40" "--rates 1 20 40"
+#   one GPU, direct ingress, two replicas of half of it then one of all of it (run_h200.sh's ray-1gpu-direct stage):
+#        DIRECT=1 REPLICA_COUNTS="2 1" GPUS_PER_DEPLOYMENT=1 ... bash benchmarks/serving/ray_scaling.sh OUT "..." "..."
 # Env: PYTHON (python3), PORT (18200), MODEL (synthetic:tiny), ENGINE_CORE (thread), NUM_GPUS (0), NUM_CPUS (1),
 #      TORCH_THREADS (1; empty: torch's default), LOAD_COMMON (--clients 2 --warmup 5 --duration 30 --frames 100),
-#      SERVE_ARGS (more serve-ray options), BASELINE_ARGS (more `serve` options), REPLICA_COUNTS (default "1 2")
+#      SERVE_ARGS (more serve-ray options), BASELINE_ARGS (more `serve` options), REPLICA_COUNTS (default "1 2"),
+#      DIRECT (0; 1: direct ingress, above), GPUS_PER_DEPLOYMENT (empty; a number: N replicas get it / N GPUs each,
+#      in place of NUM_GPUS)
 set -euo pipefail
 OUT="$1"; LOAD1="$2"; LOAD2="$3"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -35,16 +43,23 @@ LOAD_COMMON="${LOAD_COMMON:---clients 2 --warmup 5 --duration 30 --frames 100}"
 SERVE_ARGS="${SERVE_ARGS:-}"
 BASELINE_ARGS="${BASELINE_ARGS:-}"
 REPLICA_COUNTS="${REPLICA_COUNTS:-1 2}"
+DIRECT="${DIRECT:-0}"
+GPUS_PER_DEPLOYMENT="${GPUS_PER_DEPLOYMENT:-}"
 mkdir -p "$OUT"
 cd "$ROOT"
 threads=()
 [ -n "$TORCH_THREADS" ] && threads=(--torch-threads "$TORCH_THREADS")
+gpu_note="$NUM_GPUS GPU each"
+if [ -n "$GPUS_PER_DEPLOYMENT" ]; then gpu_note="$GPUS_PER_DEPLOYMENT GPU(s) shared by each deployment's replicas"; fi
 {
     echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
     echo "host: $(uname -srm), $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB"
     echo "python: $("$PYTHON" -V 2>&1); ray $("$PYTHON" -c 'import ray; print(ray.__version__)' 2>/dev/null | tail -1); torch $("$PYTHON" -c 'import torch; print(torch.__version__)' | tail -1)"
     echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "replicas: model $MODEL, engine core $ENGINE_CORE, $NUM_GPUS GPU and $NUM_CPUS Ray CPU each, torch threads ${TORCH_THREADS:-default}"
+    echo "replicas: model $MODEL, engine core $ENGINE_CORE, $gpu_note, $NUM_CPUS Ray CPU each, torch threads ${TORCH_THREADS:-default}"
+    if [ "$DIRECT" = 1 ]; then
+        echo "direct ingress: the load's clients on the replicas' own ports (GET /v1/replicas), metrics through the proxy"
+    fi
     echo "load: $LOAD_COMMON | 1 replica: $LOAD1 | 2 replicas: $LOAD2"
 } > "$OUT/conditions.txt"
 
@@ -82,6 +97,20 @@ cpu_during() {  # cpu_during BEFORE AFTER WALL: per kind, CPU seconds used betwe
     } END { printf "    %-40s %7.1f s CPU (%.2f cores) over %d s\n", "all server processes", total, total / wall, wall }' "$1" "$2"
 }
 
+direct_urls() {  # direct_urls COUNT: the replicas' own ws:// URLs once GET /v1/replicas lists COUNT of them
+    local urls=""
+    for _ in $(seq 300); do
+        urls=$("$PYTHON" -c 'import json, sys, urllib.request
+replicas = json.load(urllib.request.urlopen(sys.argv[1], timeout=10))["replicas"]
+print(" ".join(r["ws"] for r in replicas) if len(replicas) == int(sys.argv[2]) else "")' \
+            "http://127.0.0.1:$PORT/v1/replicas" "$1" 2>/dev/null || true)
+        [ -n "$urls" ] && { echo "$urls"; return 0; }
+        sleep 1
+    done
+    echo "GET /v1/replicas did not list $1 direct endpoints" >&2
+    return 1
+}
+
 replica_counts() {  # replica_counts FILE: per replica, its utterances, sessions and health so far (JSON)
     "$PYTHON" -c 'import json, sys; from benchmarks.serving.ray_faults import poll_replicas
 json.dump(poll_replicas(sys.argv[1]).replicas, sys.stdout)' "ws://127.0.0.1:$PORT" > "$1"
@@ -98,7 +127,11 @@ PY
 }
 
 run() {  # run REPLICAS LOAD_ARGS  (REPLICAS "serve": the plain server, the baseline)
-    local replicas="$1" load="$2" server
+    local replicas="$1" load="$2" server gpus="$NUM_GPUS" direct=() client_urls=()
+    if [ -n "$GPUS_PER_DEPLOYMENT" ] && [ "$replicas" != serve ]; then
+        gpus=$(awk "BEGIN { print $GPUS_PER_DEPLOYMENT / $replicas }")
+    fi
+    if [ "$DIRECT" = 1 ]; then direct=(--direct-ingress); fi
     if [ "$replicas" = serve ]; then
         # shellcheck disable=SC2086
         env ${TORCH_THREADS:+OMP_NUM_THREADS=$TORCH_THREADS} "$PYTHON" -m qwen3tts_agent.cli serve --model "$MODEL" \
@@ -107,8 +140,8 @@ run() {  # run REPLICAS LOAD_ARGS  (REPLICAS "serve": the plain server, the base
     else
         # shellcheck disable=SC2086
         env ${TORCH_THREADS:+OMP_NUM_THREADS=$TORCH_THREADS} "$PYTHON" -m qwen3tts_agent.cli serve-ray --model "$MODEL" --replicas "$replicas" \
-            --num-gpus "$NUM_GPUS" --num-cpus "$NUM_CPUS" "${threads[@]}" --engine-core "$ENGINE_CORE" --port "$PORT" \
-            --max-queued 100000 --queue-timeout 60 --max-sessions 100000 --log-level warning $SERVE_ARGS \
+            --num-gpus "$gpus" --num-cpus "$NUM_CPUS" "${threads[@]}" --engine-core "$ENGINE_CORE" --port "$PORT" \
+            --max-queued 100000 --queue-timeout 60 --max-sessions 100000 --log-level warning "${direct[@]}" $SERVE_ARGS \
             > "$OUT/serve-ray-$replicas.log" 2>&1 &
     fi
     server=$!
@@ -118,6 +151,12 @@ run() {  # run REPLICAS LOAD_ARGS  (REPLICAS "serve": the plain server, the base
         kill -0 $server 2>/dev/null || { echo "the server exited (see its log in $OUT)"; exit 1; }
         sleep 1
     done
+    if [ "$DIRECT" = 1 ] && [ "$replicas" != serve ]; then
+        local urls; urls=$(direct_urls "$replicas") || exit 1
+        read -r -a client_urls <<< "$urls"
+        client_urls=(--client-urls "${client_urls[@]}")
+        echo "$replicas replica(s) of $gpus GPU each, direct endpoints: $urls" >> "$OUT/conditions.txt"
+    fi
     echo "$replicas replica(s), before: $(uptime)" >> "$OUT/conditions.txt"
     cpu_by_process > "$OUT/.cpu-before"
     local busy_before; busy_before=$(machine_busy)
@@ -127,7 +166,7 @@ run() {  # run REPLICAS LOAD_ARGS  (REPLICAS "serve": the plain server, the base
     [ "$replicas" = serve ] && name=serve
     [ "$replicas" = serve ] || replica_counts "$OUT/.replicas-before"
     # shellcheck disable=SC2086
-    "$PYTHON" -m benchmarks.serving.load --url "ws://127.0.0.1:$PORT" --model "$MODEL" $LOAD_COMMON $load \
+    "$PYTHON" -m benchmarks.serving.load --url "ws://127.0.0.1:$PORT" "${client_urls[@]}" --model "$MODEL" $LOAD_COMMON $load \
         --out "$OUT/$name.json"
     times > "$OUT/.times-after"
     if [ "$replicas" != serve ]; then

@@ -4,7 +4,7 @@ Needs the `[ray]` extra. See docs/ray.md; the pieces: `settings.RayServeSettings
 (the Serve application), `replica.EngineReplica` (one engine and the server's app), `router.LoadAwareRouter`
 (new sessions to the least loaded replica), `autoscaling` (replicas added and removed on the engines' load),
 `metrics` (every replica's metrics through one endpoint), `proxy` (the server's error shapes where Serve's
-proxy answers), `cli` (`qwen3tts-agent serve-ray`).
+proxy answers), `direct` (Serve's direct ingress: each replica's own port, listed), `cli` (`qwen3tts-agent serve-ray`).
 """
 
 from .settings import RayServeSettings

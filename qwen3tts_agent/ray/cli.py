@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
@@ -14,7 +15,17 @@ import ray  # imported here so a missing [ray] extra shows when the CLI register
 from ray import serve
 
 from ..server.cli import add_server_arguments, server_config_from_args
+from .direct import (
+    DIRECT_INGRESS_ENV,
+    DRAINING_PERIOD_ENV,
+    LOCAL_DRAINING_PERIOD_S,
+    DirectIngress,
+    direct_ingress,
+    enabled_in_environment,
+)
 from .settings import AUTOSCALE_SIGNALS, ENGINE_CORES, RayServeSettings
+
+logger = logging.getLogger(__name__)
 
 
 def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -61,6 +72,11 @@ def add_serve_ray_command(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--address", help="Ray cluster to join ('auto': the one `ray start` runs on this node); "
                    "default: start a Ray instance here")
     p.add_argument("--ray-num-cpus", type=int, help="CPUs of the Ray instance started here (default: all)")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="Serve's direct ingress (experimental in Ray): each replica also serves a port of its own "
+                   "(30000 up), without the proxy's hop; spread clients over them (GET /v1/replicas lists them). "
+                   f"A property of the Ray cluster: set for the instance started here; with --address, the cluster "
+                   f"must run with {DIRECT_INGRESS_ENV}=1 (docs/ray.md)")
     p.add_argument("--app-name", default=d.app_name, help="the Serve application's name")
     p.add_argument("--print-config", action="store_true",
                    help="print the equivalent Serve config file (for `serve run` / `serve deploy`) and exit")
@@ -149,9 +165,47 @@ def serve_config(settings: RayServeSettings) -> dict[str, Any]:
     }
 
 
+def direct_ingress_problem(asked: bool, local: bool, enabled: bool | None) -> tuple[str | None, str | None]:
+    """(error, warning) for --direct-ingress once the Serve controller has said whether it runs direct ingress
+    (`enabled`; None: it could not be asked). Joining a cluster without it is refused: the replicas read the
+    variable when their processes start, so only a cluster started with it can have it."""
+    if not asked or enabled:
+        return None, None
+    if enabled is None:
+        return None, ("could not confirm that this Ray cluster runs Serve's direct ingress (asking its controller "
+                      "failed); the replicas' own ports may not exist")
+    if local:
+        return (f"Serve's controller started without direct ingress although {DIRECT_INGRESS_ENV}=1 was set for it "
+                "(a Serve instance that already ran in this Ray instance?)"), None
+    return (f"this Ray cluster does not run Serve's direct ingress: start every node with "
+            f"`{DIRECT_INGRESS_ENV}=1 ray start ...` (and no Serve instance running yet), or leave out "
+            f"--direct-ingress"), None
+
+
+def report_direct_endpoints(found: DirectIngress, app_name: str, replicas: int | None) -> None:
+    """Print (and log) each replica's own endpoint once the replicas run under direct ingress; warn where fewer
+    than the `replicas` deployed (a fixed count) have one."""
+    if found.enabled is None:
+        print(f"warning: could not list the replicas' direct endpoints: {found.error}", file=sys.stderr, flush=True)
+        return
+    if not found.endpoints:
+        print("warning: direct ingress is on but Serve lists no replica endpoint yet; GET /v1/replicas lists "
+              "them once it does", file=sys.stderr, flush=True)
+        return
+    for endpoint in found.endpoints:
+        line = f"replica {endpoint.replica} of {app_name}: direct endpoint {endpoint.ws} (WebSocket: /v1/stream)"
+        print(line, flush=True)
+        logger.info(line)
+    if replicas is not None and len(found.endpoints) < replicas:
+        print(f"warning: {len(found.endpoints)} of the {replicas} replicas have a direct endpoint (nodes started "
+              f"without {DIRECT_INGRESS_ENV}=1?)", file=sys.stderr, flush=True)
+    print("direct ingress: clients or a load balancer spread sessions over these ports (the proxy's router does "
+          "not); GET /v1/replicas lists them as replicas come and go", flush=True)
+
+
 def run_serve_ray(args: argparse.Namespace) -> int:
     """Deploy and serve until interrupted; 2 for bad settings, 1 if the replicas failed to start."""
-    from .app import build_app
+    from .app import ENGINE_DEPLOYMENT, build_app
     from .proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     try:
@@ -165,19 +219,36 @@ def run_serve_ray(args: argparse.Namespace) -> int:
     if args.print_config:
         import yaml  # Ray's own dependency
 
+        if args.direct_ingress:
+            print(f"note: direct ingress is not in a Serve config: export {DIRECT_INGRESS_ENV}=1 before `serve run` "
+                  "(it starts the Ray instance) or before `ray start` on every node (docs/ray.md)", file=sys.stderr)
         print(yaml.safe_dump(serve_config(settings), sort_keys=False), end="")
         return 0
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # the proxies of a Ray instance started here
     local = args.address is None
+    if local:  # Serve's processes of a Ray instance started here read these when they start
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+        if args.direct_ingress:
+            os.environ[DIRECT_INGRESS_ENV] = "1"
+        if enabled_in_environment():  # a stopping replica's port stays open this long (Ray's default: 30 s)
+            os.environ.setdefault(DRAINING_PERIOD_ENV, f"{LOCAL_DRAINING_PERIOD_S:g}")
     ray.init(address=args.address, num_cpus=args.ray_num_cpus if local else None, include_dashboard=False)
     config = settings.server
+    deployed = False
     try:
         serve.start(
             proxy_location="EveryNode",
             http_options={"host": config.host, "port": config.port,
                           "keep_alive_timeout_s": math.ceil(config.keep_alive_timeout_s)},
         )
+        enabled = direct_ingress(settings.app_name, ENGINE_DEPLOYMENT).enabled if args.direct_ingress else None
+        error, warning = direct_ingress_problem(args.direct_ingress, local, enabled)
+        if error is not None:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr)
         try:
+            deployed = True
             serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix,
                       logging_config={"log_level": args.log_level.upper()})
         except RuntimeError as exc:
@@ -185,14 +256,23 @@ def run_serve_ray(args: argparse.Namespace) -> int:
             return 1
         print(f"serving {args.model} at http://{config.host}:{config.port} (WebSocket: /v1/stream); Ctrl-C stops",
               flush=True)
+        found = direct_ingress(settings.app_name, ENGINE_DEPLOYMENT)
+        if args.direct_ingress or found.enabled:
+            report_direct_endpoints(found, settings.app_name, settings.num_replicas)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
+        # a second Ctrl-C stops at once, without waiting for the sessions (a Ray instance started here still stops)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         return 0
     finally:
-        if local:
-            serve.shutdown()
-        else:
-            serve.delete(settings.app_name)
-        ray.shutdown()
+        try:
+            if local:
+                serve.shutdown()  # waits for the replicas' sessions up to their graceful shutdown timeout (<= 30 s)
+            elif deployed:
+                serve.delete(settings.app_name)
+        except KeyboardInterrupt:
+            print("stopping at once", file=sys.stderr)
+        finally:
+            ray.shutdown()

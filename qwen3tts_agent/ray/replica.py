@@ -12,7 +12,8 @@ life: its engine streams never move. On top of the app, the replica
 - fails Serve's health check while its engine is down or failed, so Serve replaces the replica (the
   engine's own restarts of a dead core come first: Serve acts after three failed checks in a row);
 - names itself in an `x-qwen3tts-replica` response header (HTTP responses and WebSocket handshakes);
-- sends its metrics to the application's `MetricsHub` and answers `/metrics` for all replicas.
+- sends its metrics to the application's `MetricsHub` and answers `/metrics` for all replicas;
+- lists the replicas' own endpoints at `GET /v1/replicas` (with Serve's direct ingress: `direct.py`).
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.app import create_app
+from ..server.protocol import ApiError
 from ..server.state import ServerState
 from .autoscaling import ENGINE_LOAD_METRIC, LoadMeter, engine_load
+from .direct import direct_ingress
 from .metrics import PUSH_INTERVAL_S, merge, render
 from .settings import RayServeSettings
 
@@ -67,7 +71,9 @@ class EngineReplica:
     def __init__(self, settings: RayServeSettings, metrics_hub: Any) -> None:
         self._settings = settings
         self._hub = metrics_hub  # a DeploymentHandle of metrics.MetricsHub
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        self._deployment_id = context.replica_id.deployment_id  # app name as deployed (a config may rename it)
         if settings.torch_threads is not None:
             import torch
 
@@ -101,6 +107,7 @@ class EngineReplica:
 
         app.router.lifespan_context = lifespan
         self._serve_all_metrics(app, state)
+        self._serve_replica_list(app, state)
         app.add_middleware(_ReplicaHeader, replica=self.replica)
         return app
 
@@ -217,3 +224,18 @@ class EngineReplica:
         app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]
         app.router.routes.insert(0, Route("/metrics", summed, methods=["GET"]))
         app.router.routes.insert(1, Route("/metrics/replicas", per_replica, methods=["GET"]))
+
+    def _serve_replica_list(self, app: FastAPI, state: ServerState) -> None:
+        """`GET /v1/replicas` (bearer token): every running replica's own endpoint when the cluster runs Serve's
+        direct ingress (`direct.direct_ingress`), for load balancers and clients that spread sessions over them;
+        `{"direct_ingress": false, "replicas": []}` without it; 500 `internal_error` if the controller could not
+        be asked. One call to Serve's controller per request."""
+
+        async def replicas(request: Request) -> Response:
+            state.authorize(request.headers.get("authorization"))
+            found = await asyncio.to_thread(direct_ingress, self._deployment_id.app_name, self._deployment_id.name)
+            if found.enabled is None:
+                raise ApiError("internal_error", f"could not ask Serve's controller for the replicas: {found.error}")
+            return JSONResponse(found.to_dict())
+
+        app.router.routes.insert(0, Route("/v1/replicas", replicas, methods=["GET"]))
