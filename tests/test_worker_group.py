@@ -22,8 +22,9 @@ LIMIT = 50
 
 def _member(directory: str, conn: Connection) -> None:
     """A worker: joins; on "go", with the others, takes and gives back a session many times, counting the
-    times the total it then reads is past the limit; then takes as many sessions as it can and holds them until
-    told to leave or killed. Its live gauge counts those, as `qwen3tts_active_streams` would."""
+    times the total it then reads is past the limit; on "fill" (once every worker is done with that: a worker
+    filling up while another still churns would read the filler's sessions as the churner's excess), takes as
+    many sessions as it can and holds them until told to leave or killed. Its live gauge counts those, as `qwen3tts_active_streams` would."""
     cell = WorkerGroup(Path(directory), MEMBERS).join()
     held = Gauge("held", "sessions this worker admitted", registry=CollectorRegistry(), multiprocess_mode="livesum")
     conn.send("joined")
@@ -34,6 +35,7 @@ def _member(directory: str, conn: Connection) -> None:
             over += cell.totals()[Held.SESSIONS] > CHURN_LIMIT
             cell.remove(Held.SESSIONS)
     conn.send(over)
+    conn.recv()
     admitted = sum(cell.try_add(Held.SESSIONS, LIMIT) for _ in range(2 * LIMIT))
     held.inc(admitted)
     conn.send(admitted)
@@ -64,6 +66,8 @@ def test_workers_never_admit_past_a_shared_limit_and_a_killed_ones_share_drops_o
         for _, conn in members:  # all at once: each check-and-add races the others'
             conn.send("go")
         assert [conn.recv() for _, conn in members if conn.poll(60)] == [0] * MEMBERS  # never past the limit
+        for _, conn in members:  # all at once again: each fills up as the others do
+            conn.send("fill")
         admitted = {process.pid: conn.recv() for process, conn in members if conn.poll(60)}
         assert sum(admitted.values()) == LIMIT, admitted
         observer = group.join()  # this process, as a worker that admitted nothing
