@@ -74,6 +74,22 @@ if [ -n "${LOAD_PROFILE:-}" ]; then  # py-spy from .whl/tools: each window's pro
   server_args+=(--profile "$LOAD_PROFILE" --py-spy /tmp/py-spy/bin/py-spy)
 fi
 tar_profile() { if [ -d "$out/$1" ]; then tar czf "$out/$1-profile.tgz" -C "$out" "$1" && rm -rf "${out:?}/$1"; fi; }
+# the Ray stages' needs on this warm machine: Ray from ray-install, the server's wheels, the 0.6B checkpoint
+ray_ready() {
+  [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
+  [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
+  checkpoint synthetic:0.6b > /dev/null
+}
+# benchmarks/serving/ray_scaling.sh on this one GPU into $out/NAME, with the one-GPU stages' load; the VAR=value
+# arguments after NAME say how the deployments differ (replica counts, GPUs, direct ingress)
+ray_1gpu_load() {
+  local name=$1; shift
+  env "$@" PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_CPUS=4 \
+    ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
+    LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
+    bash benchmarks/serving/ray_scaling.sh "$out/$name" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
+    2>&1 | tee -a "$out/$name.log"
+}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
@@ -204,9 +220,7 @@ for stage in "$@"; do
         --out "$out/startup.json" 2>&1 | tee "$out/startup.log"
       if [ -f "$out/startup/profiled.raw" ]; then gzip "$out/startup/profiled.raw"; fi ;;
     ray-2gpu)
-      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
-      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
-      checkpoint synthetic:0.6b > /dev/null
+      ray_ready
       PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=1 NUM_CPUS=4 \
         ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= LOAD_COMMON="--clients 8 --warmup 5 --duration 30 --frames 100" \
         bash benchmarks/serving/ray_scaling.sh "$out/ray-2gpu" "${RAY_LOAD1:---held 128 --rates 24}" "${RAY_LOAD2:---held 256 --rates 48}" \
@@ -221,28 +235,15 @@ for stage in "$@"; do
       fi
       [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
       checkpoint synthetic:0.6b > /dev/null
-      PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" NUM_GPUS=0.5 NUM_CPUS=4 \
-        ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= REPLICA_COUNTS="$counts" SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
-        LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
-        bash benchmarks/serving/ray_scaling.sh "$out/ray-1gpu" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
-        2>&1 | tee -a "$out/ray-1gpu.log" ;;
+      ray_1gpu_load ray-1gpu NUM_GPUS=0.5 REPLICA_COUNTS="$counts" ;;
     ray-1gpu-direct)
       # Serve's direct ingress: each replica serves its own port (no proxy hop per WebSocket message); the load's
       # clients spread over those ports, metrics through the proxy; 2 replicas of half the GPU, then 1 of all of it
-      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
-      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
-      checkpoint synthetic:0.6b > /dev/null
-      PYTHON=python3 PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH" DIRECT=1 \
-        GPUS_PER_DEPLOYMENT=1 NUM_CPUS=4 ENGINE_CORE=process MODEL=synthetic:0.6b TORCH_THREADS= PORT=18203 \
-        REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2 1}" SERVE_ARGS="${RAY_SERVE_ARGS:-}" \
-        LOAD_COMMON="--clients 4 --warmup 3 --duration ${RAY_WINDOW:-15} --frames 100 --transports ws http --http-rates 20" \
-        bash benchmarks/serving/ray_scaling.sh "$out/ray-1gpu-direct" "${RAY_LOAD1:---rates 1 20 40}" "${RAY_LOAD1:---rates 1 20 40}" \
-        2>&1 | tee -a "$out/ray-1gpu-direct.log" ;;
+      ray_ready
+      ray_1gpu_load ray-1gpu-direct DIRECT=1 GPUS_PER_DEPLOYMENT=1 PORT=18203 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2 1}" ;;
     ray-1gpu-faults)
       # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process
-      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
-      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
-      checkpoint synthetic:0.6b > /dev/null
+      ray_ready
       ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
         python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --replicas 2 --num-gpus 0.5 --num-cpus 4 \
           --engine-core process ${RAY_SERVE_ARGS:-} --port 18201 --max-queued 100000 --queue-timeout 60 \
@@ -255,9 +256,7 @@ for stage in "$@"; do
         kill -INT $server; wait $server ) ;;
     ray-1gpu-autoscale)
       # one half-GPU replica, a second allowed: arrivals ramp from 5 to 40 req/s (benchmarks/serving/ray_faults.py)
-      [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
-      [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
-      checkpoint synthetic:0.6b > /dev/null
+      ray_ready
       ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
         python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --min-replicas 1 --max-replicas 2 \
           --autoscale-on ${RAY_AUTOSCALE_ON:-engine-load} --upscale-delay ${RAY_UPSCALE_DELAY:-10} \

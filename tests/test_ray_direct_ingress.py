@@ -24,16 +24,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from websockets.asyncio.client import ClientConnection, connect
 
 from qwen3tts_agent.ray.cli import direct_ingress_problem
 from qwen3tts_agent.ray.direct import DIRECT_INGRESS_ENV, DirectEndpoint, DirectIngress, target_endpoints
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
+from tests.ray_session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "direct-test-key"
@@ -125,40 +124,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         stop_everything(process.pid)
         process.wait(30)
 
-
-class Session:
-    """One WebSocket session and the replica that took it (its handshake's header)."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.replica = ws.response.headers[REPLICA_HEADER]
-
-    @classmethod
-    async def open(cls, url: str, **sampling: Any) -> Session:
-        ws = await connect(f"{url}/v1/stream", additional_headers=AUTH, max_size=None)
-        await ws.send(json.dumps({"type": "start", "sampling": {"ignore_eos": True, "seed": 7, **sampling}}))
-        ready = json.loads(await ws.recv())
-        assert ready["type"] == "ready", ready
-        return cls(ws)
-
-    async def say(self, text: str, *, flush: bool = True) -> None:
-        await self.ws.send(json.dumps({"type": "text", "text": text}))
-        if flush:
-            await self.ws.send(json.dumps({"type": "flush"}))
-
-    async def until(self, kind: str, timeout: float = 60.0) -> tuple[dict[str, Any], int]:
-        """Messages up to the first of `kind`: (that message, PCM bytes received before it)."""
-        pcm = 0
-        deadline = time.monotonic() + timeout
-        while True:
-            message = await asyncio.wait_for(self.ws.recv(), max(0.0, deadline - time.monotonic()))
-            if isinstance(message, bytes):
-                pcm += len(message)
-                continue
-            body = json.loads(message)
-            if body["type"] == kind:
-                return body, pcm
-            assert body["type"] == "audio", body
 
 
 def utterances_per_replica(proxy: str) -> dict[str, float]:
@@ -266,7 +231,7 @@ async def test_each_direct_endpoint_serves_its_replicas_websocket_sessions_and_o
     body = {"model": "tts-1", "input": "Hello there!", "voice": "alloy", "response_format": "pcm",
             "sampling": {"max_frames": 5, "ignore_eos": True, "seed": 3}}
     for replica, url in deployment.printed.items():
-        session = await Session.open(url, max_frames=6)
+        session = await Session.open(url, AUTH, max_frames=6)
         try:
             assert session.replica == replica  # a session on a replica's port lands on that replica
             for _ in range(2):  # and so does every utterance of it
@@ -290,15 +255,15 @@ async def test_a_full_replica_answers_busy_on_its_own_port_while_the_other_is_fr
     held: list[Session] = []
     try:
         for _ in range(SLOTS):  # unflushed text holds a synthesis slot until the flush
-            s = await Session.open(deployment.printed[full], max_frames=4)
+            s = await Session.open(deployment.printed[full], AUTH, max_frames=4)
             await s.say("Hold this slot", flush=False)
             held.append(s)
-        extra = await Session.open(deployment.printed[full], max_frames=4)
+        extra = await Session.open(deployment.printed[full], AUTH, max_frames=4)
         await extra.say("No room left here")
         error, _ = await extra.until("error")
         assert (error["code"], error["status"]) == ("busy", 503)
         await extra.ws.close()
-        elsewhere = await Session.open(deployment.printed[free], max_frames=4)
+        elsewhere = await Session.open(deployment.printed[free], AUTH, max_frames=4)
         await elsewhere.say("Plenty of room here")
         done, pcm = await elsewhere.until("done")
         assert elsewhere.replica == free and done["finish_reason"] == "max_frames" and pcm > 0
@@ -314,7 +279,7 @@ async def test_a_full_replica_answers_busy_on_its_own_port_while_the_other_is_fr
 async def test_the_proxy_still_serves_beside_the_direct_ports(deployment: Deployment) -> None:
     seen = set()
     for _ in range(2):
-        session = await Session.open(f"ws://{deployment.proxy}", max_frames=4)
+        session = await Session.open(f"ws://{deployment.proxy}", AUTH, max_frames=4)
         await session.say("Through the proxy.")
         done, pcm = await session.until("done")
         assert done["finish_reason"] == "max_frames" and pcm == 4 * 1920 * 2

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qwen3tts_agent.ray.app import (
@@ -49,6 +49,7 @@ from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
 from qwen3tts_agent.server.config import ServerConfig
+from tests.ray_session import Session
 
 APP = "qwen3tts-test"
 API_KEY = "ray-test-key"
@@ -101,44 +102,6 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             else:
                 os.environ[name] = value
 
-
-class Session:
-    """One WebSocket session and the replica that took it."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.replica = ws.response.headers[REPLICA_HEADER]
-
-    @classmethod
-    async def open(cls, url: str, **start: Any) -> Session:
-        ws = await connect(f"ws://{url}/v1/stream", additional_headers=AUTH, max_size=None)
-        session = cls(ws)
-        await ws.send(json.dumps({"type": "start", "sampling": {"ignore_eos": True, "seed": 7, **start}}))
-        ready = json.loads(await ws.recv())
-        assert ready["type"] == "ready", ready
-        return session
-
-    async def say(self, text: str, *, flush: bool = True) -> None:
-        await self.ws.send(json.dumps({"type": "text", "text": text}))
-        if flush:
-            await self.ws.send(json.dumps({"type": "flush"}))
-
-    async def until(self, kind: str, timeout: float = 60.0) -> tuple[dict[str, Any], int]:
-        """Messages up to the first of `kind`: (that message, PCM bytes received before it)."""
-        pcm = 0
-        deadline = time.monotonic() + timeout
-        while True:
-            message = await asyncio.wait_for(self.ws.recv(), max(0.0, deadline - time.monotonic()))
-            if isinstance(message, bytes):
-                pcm += len(message)
-                continue
-            body = json.loads(message)
-            if body["type"] == kind:
-                return body, pcm
-            assert body["type"] == "audio", body
-
-    async def close(self) -> None:
-        await self.ws.close()
 
 
 def metric_values(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -227,7 +190,7 @@ def replicas_running() -> set[str]:
 
 async def test_sessions_spread_over_both_replicas_and_stay_on_theirs(serve_url: str) -> None:
     before = scrape(serve_url, "/metrics/replicas")
-    sessions = await asyncio.gather(*(Session.open(serve_url, max_frames=6) for _ in range(4)))
+    sessions = await asyncio.gather(*(Session.open(serve_url, AUTH, max_frames=6) for _ in range(4)))
     try:
         placement = Counter(s.replica for s in sessions)
         assert sorted(placement.values()) == [2, 2], placement  # the least loaded replica takes each session
@@ -252,12 +215,12 @@ async def test_a_full_replica_is_passed_over_and_busy_comes_only_when_all_are_fu
     held: list[Session] = []
     try:
         for _ in range(2 * SLOTS):  # unflushed text holds a synthesis slot until the flush
-            s = await Session.open(serve_url, max_frames=4)
+            s = await Session.open(serve_url, AUTH, max_frames=4)
             await s.say("Hold this slot", flush=False)
             held.append(s)
             await asyncio.sleep(0.5)  # its slot shows in the replica's next report
         assert sorted(Counter(s.replica for s in held).values()) == [SLOTS, SLOTS]
-        extra = await Session.open(serve_url, max_frames=4)
+        extra = await Session.open(serve_url, AUTH, max_frames=4)
         await extra.say("No room left")
         error, _ = await extra.until("error")
         assert (error["code"], error["status"]) == ("busy", 503)
@@ -318,7 +281,7 @@ def test_without_direct_ingress_the_replicas_have_no_ports_of_their_own(serve_ur
 
 
 async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url: str) -> None:
-    sessions = await asyncio.gather(*(Session.open(serve_url, max_frames=4) for _ in range(2)))
+    sessions = await asyncio.gather(*(Session.open(serve_url, AUTH, max_frames=4) for _ in range(2)))
     sick = sessions[0].replica
     os.kill(core_process(sick), 9)
     await sessions[0].say("Anyone there?")
@@ -327,7 +290,7 @@ async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url
     await asyncio.gather(*(s.close() for s in sessions))
     await asyncio.sleep(0.5)  # the sick replica's report reaches the router
     for _ in range(3):  # meanwhile every new session goes to the healthy replica, and is served
-        s = await Session.open(serve_url, max_frames=4)
+        s = await Session.open(serve_url, AUTH, max_frames=4)
         assert s.replica != sick
         await s.say("Hello?")
         done, _ = await s.until("done")
@@ -338,7 +301,7 @@ async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url
 
 
 async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_replaces_it(serve_url: str) -> None:
-    victim = await Session.open(serve_url, max_frames=2000)  # far longer than the test
+    victim = await Session.open(serve_url, AUTH, max_frames=2000)  # far longer than the test
     await victim.say("A long answer that is cut short when its replica dies.")
     await victim.until("audio")
     core = core_process(victim.replica)
@@ -351,7 +314,7 @@ async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_r
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011
     assert time.monotonic() - killed < 30
 
-    survivor = await Session.open(serve_url, max_frames=4)  # the next session succeeds elsewhere
+    survivor = await Session.open(serve_url, AUTH, max_frames=4)  # the next session succeeds elsewhere
     assert survivor.replica != victim.replica
     await survivor.say("Still here.")
     done, pcm = await survivor.until("done")
@@ -362,7 +325,7 @@ async def test_a_replica_killed_mid_stream_ends_its_sessions_cleanly_and_serve_r
     assert process_gone(core)  # Ray ended the dead replica's engine-core process with it
     seen: set[str] = set()
     for _ in range(6):
-        s = await Session.open(serve_url, max_frames=2)
+        s = await Session.open(serve_url, AUTH, max_frames=2)
         seen.add(s.replica)
         await s.close()
     assert victim.replica not in seen and len(seen) == 2  # the replacement takes sessions too
@@ -376,10 +339,10 @@ async def test_autoscaling_adds_a_replica_for_sessions_and_removes_it_after(serv
     )
     serve.run(build_app(settings), name=APP, route_prefix="/")
     first = await wait_for_replicas(1)
-    sessions = [await Session.open(serve_url, max_frames=4) for _ in range(4)]  # twice the target of one replica
+    sessions = [await Session.open(serve_url, AUTH, max_frames=4) for _ in range(4)]  # twice the target of one replica
     assert {s.replica for s in sessions} == first
     grown = await wait_for_replicas(2)
-    newcomer = await Session.open(serve_url, max_frames=4)
+    newcomer = await Session.open(serve_url, AUTH, max_frames=4)
     assert {newcomer.replica} == grown - first  # the new, idle replica takes the next session
     await newcomer.say("Hello from the new replica.")
     done, _ = await newcomer.until("done")
@@ -404,12 +367,12 @@ async def test_engine_load_autoscaling_adds_a_replica_for_busy_slots_and_removes
     newcomer: Session | None = None
     try:
         for _ in range(SLOTS):  # unflushed text holds a synthesis slot until the flush
-            s = await Session.open(serve_url, max_frames=4)
+            s = await Session.open(serve_url, AUTH, max_frames=4)
             await s.say("Hold this slot", flush=False)
             held.append(s)
         assert {s.replica for s in held} == first
         grown = await wait_for_replicas(2)
-        newcomer = await Session.open(serve_url, max_frames=4)
+        newcomer = await Session.open(serve_url, AUTH, max_frames=4)
         assert {newcomer.replica} == grown - first  # the full replica is passed over for the new one
         await newcomer.say("Hello from the new replica.")
         done, _ = await newcomer.until("done")
