@@ -98,8 +98,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    "int8, int4 (4-bit weights: faster, coarser), fp32; see docs/cpu-backend.md")
     p.add_argument("--codec-hold-ms", type=float,
                    help="how long a stream's later audio chunk may wait to be decoded in one codec call with other "
-                   "streams' chunks while its listener has audio to spare (default: 50 on a GPU, 0 on the CPU; "
-                   "0: decode each as soon as the codec has room); docs/server.md")
+                   "streams' chunks while its listener has audio to spare (default 0: decode each as soon as the "
+                   "codec has room); docs/server.md")
     p.add_argument("--step-period-ms", type=float,
                    help="under load, start a batched frame step at most this often, so the device keeps room for "
                    "new streams (each stream then runs at about 80 / this times real time; default: 20 on a GPU, "

@@ -45,10 +45,6 @@ RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before restarting a dead core, and
 AUTO_STREAMS_CPU = 16
 AUTO_STREAMS_MAX = 256
 AUTO_MEMORY_FRACTION = 0.8  # of the device memory free after loading, for the slots' caches and state
-# How long a later chunk may wait for other streams' chunks on a GPU (`codec_hold_s`): about the time the
-# other streams take to cut theirs (8 frames at a few ms a step), well inside the slack of a stream ahead
-# of its listener (a chunk falls due anyway 150 ms before its listener would run out, `audio.LAUNCH_SLACK_S`).
-GPU_CODEC_HOLD_S = 0.05
 # Slots for new streams' first frames under load (`first_frame_step_load`): a step of the lowest eight reads the
 # same weights as a lone stream's (the decode GEMV takes up to 64 rows at once), and a new stream stays there for
 # a few of its frames (Scheduler.settled), so eight leave room for several streams starting at once.
@@ -170,7 +166,7 @@ class Engine(EngineFrontend):
         prefix_cache: bool = True,
         staged_prefill: bool | None = None,
         speculative_first_frame: bool = True,
-        codec_hold_s: float | None = None,
+        codec_hold_s: float = 0.0,
         first_frame_step_load: int | None = None,
         step_period_s: float | None = None,
         clock_first_frame_load: int | None = None,
@@ -203,8 +199,10 @@ class Engine(EngineFrontend):
         rare case it changes), so the first frame does not wait for the third token; the audio that leaves is
         that of the final text either way (`engine/scheduler/scheduler.py`).
         `codec_hold_s`: how long a stream's later chunk may wait to be decoded in one codec call with other
-        streams' chunks, while its listener has audio to spare (`engine/scheduler/codec_queue.py`); default
-        `GPU_CODEC_HOLD_S` on a GPU, 0 (decode as soon as the codec has room) on the CPU.
+        streams' chunks, while its listener has audio to spare (`engine/scheduler/codec_queue.py`); default 0:
+        each goes as soon as the codec lane has room, and a call batches what waited for room meanwhile. A hold
+        makes fewer, larger calls, but on a loaded GPU the lane idles through it and held chunks leave late, which
+        refuses new streams (docs/performance.md, "no codec hold by default").
         `first_frame_step_load`: from this many streams stepping at once, a new stream's first frame runs in
         a step of a few low slots of its own, right behind the step in flight, instead of waiting for that
         step and then a whole batched one, except for a while after a chunk left late (a full device), when new
@@ -248,7 +246,7 @@ class Engine(EngineFrontend):
             adapt_chunks=self.device.type == "cuda" if adapt_chunks is None else adapt_chunks,
             prefix_cache=prefix_cache, speculative_first_frame=speculative_first_frame,
             staged_prefill=self.device.type == "cuda" if staged_prefill is None else staged_prefill,
-            codec_hold_s=(GPU_CODEC_HOLD_S if self.device.type == "cuda" else 0.0) if codec_hold_s is None else codec_hold_s,
+            codec_hold_s=codec_hold_s,
             **self._first_frame_step(first_frame_step_load, max_streams),
             step_period_s=self._step_period(step_period_s), pace_load=STEP_CLOCK_LOAD,
             clock_first_frame_load=self._clock_first_frame_load(clock_first_frame_load),
