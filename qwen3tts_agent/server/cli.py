@@ -116,6 +116,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="from this many streams stepping at once, a new stream's first frame also waits for the step "
                    "clock's tick (fuller steps on a full device, a few ms more to first audio; default: 96; 0: never); "
                    "docs/server.md")
+    p.add_argument("--shed-lateness-ms", type=float,
+                   help="how late a chunk must leave the engine to count towards refusing new streams as `busy` "
+                   "(default 0: any lateness; late chunks are counted in /metrics either way); docs/server.md")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -168,6 +171,10 @@ def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str
         if args.clock_first_frame_load < 0:
             raise ValueError("--clock-first-frame-load must not be negative")
         options["clock_first_frame_load"] = args.clock_first_frame_load
+    if args.shed_lateness_ms is not None:
+        if args.shed_lateness_ms < 0:
+            raise ValueError("--shed-lateness-ms must not be negative")
+        options["shed_lateness_s"] = args.shed_lateness_ms / 1000
     return options
 
 

@@ -119,7 +119,7 @@ class EngineCore:
             adapt_chunks=config.adapt_chunks, speculate=config.speculative_first_frame,
             decode_sizes=self.audio.decode_sizes, first_frame_slots=config.first_frame_slots,
             first_frame_load=config.first_frame_load, pace_load=config.pace_load if config.step_period_s else 0,
-            clock_first_frame_load=config.clock_first_frame_load,
+            clock_first_frame_load=config.clock_first_frame_load, shed_lateness_s=config.shed_lateness_s,
         )
         # Prompts run above the steps and the steps above the codec lane (engine/runner/lanes.py), so codec work only
         # fills the steps' gaps; the prompt lane is separate from the steps' stream, so a new prompt runs

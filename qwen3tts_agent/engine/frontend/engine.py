@@ -171,6 +171,7 @@ class Engine(EngineFrontend):
         step_period_s: float | None = None,
         clock_first_frame_load: int | None = None,
         first_audio_alone: bool | None = None,
+        shed_lateness_s: float = 0.0,
         device_share: float = 1.0,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
@@ -224,7 +225,10 @@ class Engine(EngineFrontend):
         chunk's few hundred small codec kernels then have the device to themselves instead of sharing it
         with the next frames' (a lone stream's next frames are far ahead of its listener anyway). The audio
         is the same either way. None: on a GPU with the "torch" backend (on a CPU the codec has cores of
-        its own)."""
+        its own).
+        `shed_lateness_s`: how late a chunk must leave for it to count towards refusing new streams and pausing
+        first-frame slots (`engine/scheduler/device_load.py`); 0: any lateness does. Late chunks are counted in
+        `stats` either way."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -253,6 +257,7 @@ class Engine(EngineFrontend):
             first_audio_alone=(
                 self.device.type == "cuda" and self.backend == "torch" if first_audio_alone is None else first_audio_alone
             ),
+            shed_lateness_s=shed_lateness_s,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(

@@ -6,6 +6,11 @@ chunks left after their listeners needed them within the last `LATE_WINDOW_S`: a
 audio flowing rather than every stream starving a little. And for `FIRST_FRAME_PAUSE_S` after a chunk left
 late, new streams take no first-frame slot (`first_frames_paused`; `engine/scheduler/scheduler.py` says why).
 
+What counts as late for these decisions may leave a tolerance (`shed_lateness_s`): a chunk that left a few ms after
+its deadline is still counted (`stats`, the metrics) but, below the tolerance, is no evidence. A listener with any
+buffer of its own does not hear it, and near the device's capacity a few such chunks a second otherwise refuse
+streams that would have played without a gap (docs/performance.md, "capacity 70 req/s").
+
 Refusal is a statement about load now, so every piece of evidence fades with time, not with steps: a single
 long step (a first Triton compile for new shapes, a graph capture, a stall) counts for `STEP_WINDOW_S` after
 it ended and then not at all, whether or not steps ran since. (A moving average over steps never forgot one:
@@ -57,7 +62,12 @@ class LoadStats:
 class DeviceLoad:
     """The batched steps' recent times and the chunks that left late, each kept for a while after it happened."""
 
-    def __init__(self) -> None:
+    def __init__(self, shed_lateness_s: float = 0.0) -> None:
+        """`shed_lateness_s`: how late a chunk must leave to count as evidence (refusals, first-frame pauses);
+        0: any lateness does. Every late chunk is counted in `stats` either way."""
+        if shed_lateness_s < 0:
+            raise ValueError(f"shed_lateness_s must not be negative, got {shed_lateness_s}")
+        self.shed_lateness_s = shed_lateness_s
         self.stats = LoadStats()
         self._lock = threading.Lock()
         self._steps: collections.deque[tuple[float, float]] = collections.deque()  # (ended at, seconds), oldest first
@@ -90,14 +100,15 @@ class DeviceLoad:
 
     def on_delivered(self, deadline: float, now: float, chunk_index: int) -> None:
         """A stream's chunk `chunk_index` (1 or more: the first has no deadline), due at `deadline`, left the core
-        at `now`: book it if it left late."""
+        at `now`: book it if it left late, and keep it as evidence if it left more than `shed_lateness_s` late."""
         if now > deadline:
             with self._lock:
-                self._last_late = now
                 self.stats.late_chunks += 1
                 self.stats.late_by_index[late_index_key(chunk_index)] += 1
                 self.stats.underrun_seconds += now - deadline
-                self._late_at.append(now)
+                if now - deadline > self.shed_lateness_s:
+                    self._last_late = now
+                    self._late_at.append(now)
 
     def overloaded(self, now: float) -> bool:
         """Whether the recent evidence says the device runs behind its streams: the steps of the last
@@ -109,5 +120,6 @@ class DeviceLoad:
             return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
 
     def first_frames_paused(self, now: float) -> bool:
-        """Whether new streams skip the first-frame slots: a chunk left late less than FIRST_FRAME_PAUSE_S ago."""
+        """Whether new streams skip the first-frame slots: a chunk left late (past the tolerance) less than
+        FIRST_FRAME_PAUSE_S ago."""
         return now - self._last_late < FIRST_FRAME_PAUSE_S

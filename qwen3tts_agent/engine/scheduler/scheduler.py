@@ -92,6 +92,7 @@ class Scheduler:
         first_frame_load: int = 0,
         pace_load: int = 0,
         clock_first_frame_load: int = 0,
+        shed_lateness_s: float = 0.0,
     ) -> None:
         """`adapt_chunks`: decode a stream's pending frames early when its next chunk is nearly due, rather
         than keep to its chunk schedule (which an engine slower than the schedule assumes would starve).
@@ -104,7 +105,7 @@ class Scheduler:
         from which they do (at least `first_frame_slots`). `pace_load`: the streams stepping from which
         batched steps keep to the step clock (`paced`); 0: never. `clock_first_frame_load`: the streams stepping
         from which new streams' first frames keep to it too and take no first-frame slot (module docstring);
-        0: never."""
+        0: never. `shed_lateness_s`: how late a chunk must leave to count as evidence of load (`DeviceLoad`)."""
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.max_text_tokens = max_text_tokens
@@ -133,7 +134,7 @@ class Scheduler:
         self._new_text: dict[RequestState, None] = {}  # text, its end or a prefilled body since the last feed
         self.requests: dict[str, RequestState] = {}
         self.slots = SlotPool(max_slots)  # free once no step in flight may hold them (engine/scheduler/slots.py)
-        self.load = DeviceLoad()  # the steps' times and the late chunks (refusals, first-frame pauses)
+        self.load = DeviceLoad(shed_lateness_s)  # the steps' times and the late chunks (refusals, first-frame pauses)
 
     # ----------------------------------------------------------------- requests
     def add(self, request: RequestState) -> None:

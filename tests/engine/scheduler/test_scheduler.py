@@ -326,6 +326,24 @@ def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries()
     assert load.stats.late_chunks == LATE_CHUNKS_TO_SHED  # the counters keep every late chunk
 
 
+def test_chunks_late_within_the_shedding_tolerance_are_counted_but_refuse_nothing() -> None:
+    """`shed_lateness_s`: chunks a few ms late are booked (stats, metrics) but are no evidence of load; the same
+    number later than the tolerance refuse new streams and pause the first-frame slots as before."""
+    load = DeviceLoad(shed_lateness_s=0.02)
+    for i in range(2 * LATE_CHUNKS_TO_SHED):
+        load.on_delivered(deadline=10.0 + 0.01 * i, now=10.019 + 0.01 * i, chunk_index=1)  # 19 ms late each
+    assert load.stats.late_chunks == 2 * LATE_CHUNKS_TO_SHED and load.stats.late_by_index["1"] == 2 * LATE_CHUNKS_TO_SHED
+    assert load.stats.underrun_seconds == pytest.approx(2 * LATE_CHUNKS_TO_SHED * 0.019)
+    now = 10.02 + 0.01 * (2 * LATE_CHUNKS_TO_SHED)
+    assert not load.overloaded(now) and not load.first_frames_paused(now)
+    for i in range(LATE_CHUNKS_TO_SHED):
+        load.on_delivered(deadline=11.0, now=11.021 + 0.001 * i, chunk_index=2)  # 21 ms late and more
+    assert load.overloaded(11.03) and load.first_frames_paused(11.03)
+    assert load.stats.late_chunks == 3 * LATE_CHUNKS_TO_SHED
+    with pytest.raises(ValueError, match="shed_lateness_s"):
+        DeviceLoad(shed_lateness_s=-0.001)
+
+
 def test_an_engine_with_nothing_live_admits_whatever_its_recent_steps_say() -> None:
     """The evidence was about load that left with its streams: with no request live the scheduler never refuses;
     once one is, the same evidence counts again."""
