@@ -27,11 +27,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from uvicorn.server import ServerState
 
 from qwen3tts_agent.ray.cli import direct_ingress_problem
 from qwen3tts_agent.ray.direct import DIRECT_INGRESS_ENV, DirectEndpoint, DirectIngress, target_endpoints
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
+from qwen3tts_agent.ray.transport import UncompressedWebSocketProtocol, decline_websocket_compression
 from tests.ray_session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +209,23 @@ def test_print_config_says_direct_ingress_is_the_clusters(capsys: pytest.Capture
     assert f"export {DIRECT_INGRESS_ENV}=1" in err and "direct" not in out  # the config file cannot carry it
 
 
+async def test_serves_websocket_protocol_declines_permessage_deflate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replica (and a proxy) does to its process before Serve starts its server there: uvicorn configured as
+    Serve configures it (`ws` left "auto", permessage-deflate on) gets a protocol that offers no extension, and the
+    server's own config is left as it was."""
+    monkeypatch.setitem(uvicorn.config.WS_PROTOCOLS, "auto", uvicorn.config.WS_PROTOCOLS["auto"])  # restored after
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        pass
+
+    decline_websocket_compression()
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    config.load()
+    assert config.ws_per_message_deflate and config.ws_protocol_class is UncompressedWebSocketProtocol
+    protocol = UncompressedWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+    assert protocol.conn.available_extensions == [] and config.ws_per_message_deflate
+
+
 # ---------------------------------------------------------------------------------------------- on the cluster
 def test_serve_ray_lists_each_replicas_own_endpoint(deployment: Deployment) -> None:
     printed = deployment.printed
@@ -274,6 +294,25 @@ async def test_a_full_replica_answers_busy_on_its_own_port_while_the_other_is_fr
             assert done["finish_reason"] == "max_frames" and pcm > 0
     finally:
         await asyncio.gather(*(s.ws.close() for s in held))
+
+
+async def test_the_direct_ports_and_the_proxy_send_audio_uncompressed(deployment: Deployment) -> None:
+    """Offered permessage-deflate (as browsers and the `websockets` client offer it), a replica's own port and the
+    proxy decline it, as `serve` does. Serve starts their uvicorn servers with it on; accepted, every audio message
+    was compressed on the replica's main event loop, a thread away from the app's, and under load the first audio
+    of a session came tens of ms late (qwen3tts_agent/ray/transport.py)."""
+    for url in [*deployment.printed.values(), f"ws://{deployment.proxy}"]:
+        session = await Session.open(url, AUTH, max_frames=3)
+        try:
+            request, response = session.ws.request, session.ws.response
+            assert request is not None and "permessage-deflate" in request.headers["Sec-WebSocket-Extensions"]
+            assert response is not None and "Sec-WebSocket-Extensions" not in response.headers, url
+            assert session.ws.protocol.extensions == []
+            await session.say("Plain audio frames.")
+            done, pcm = await session.until("done")
+            assert done["finish_reason"] == "max_frames" and pcm == 3 * 1920 * 2
+        finally:
+            await session.close()
 
 
 async def test_the_proxy_still_serves_beside_the_direct_ports(deployment: Deployment) -> None:

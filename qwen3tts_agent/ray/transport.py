@@ -1,0 +1,49 @@
+"""The WebSocket transport of Serve's own servers: uncompressed frames, as `serve` sends them.
+
+Ray Serve 2.60 runs uvicorn for each replica's direct-ingress port (`ray/serve/_private/replica.py`,
+`_maybe_start_direct_ingress_servers`) and for each proxy, both through `http_util.start_asgi_http_server`, with
+uvicorn's defaults and no way to change them: `ws="auto"` (websockets-sansio) and `ws_per_message_deflate=True`.
+Browsers and the `websockets` library offer permessage-deflate, so every audio message was zlib-compressed there,
+although `serve` declines the extension (`server/connections.py`: PCM barely compresses and zlib cost an API
+worker about half its event loop under load).
+
+In a replica it costs far more than the CPU: Serve runs the app on an event loop of its own thread
+(`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`, on by default) while uvicorn's WebSocket protocol, and with it the
+compression, runs on the replica's main loop. Every message goes from one thread to the other
+(`call_soon_threadsafe`), and zlib lets go of the GIL for each compress and flush call, so under load the main loop
+keeps waiting to take the GIL back from the app's busy thread (up to the interpreter's switch interval, 5 ms, each
+time): the first audio of a session came tens of ms late, while HTTP streaming from the same replica (no zlib) did
+not. `decline_websocket_compression` makes uvicorn's "auto" WebSocket protocol of the calling process the same
+websockets-sansio protocol with the extension declined; clients lose nothing (they accept an answer without it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import uvicorn
+from uvicorn import config as uvicorn_config
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+AUTO = "auto"  # the `ws` protocol of Serve's uvicorn servers (it passes none)
+
+
+class UncompressedWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets-sansio protocol (what `ws="auto"` picks) that never accepts permessage-deflate."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        if config.ws_per_message_deflate:
+            config = copy.copy(config)  # this connection's view only: the server's own config stays as Serve set it
+            config.ws_per_message_deflate = False
+        super().__init__(config, *args, **kwargs)
+
+
+def decline_websocket_compression() -> None:
+    """Make uvicorn's `ws="auto"` in this process `UncompressedWebSocketProtocol`.
+
+    uvicorn resolves the name when a server loads its config (`uvicorn.config.WS_PROTOCOLS`), so call this in the
+    process before Serve starts a server there: the replica's constructor (Serve starts the direct-ingress server
+    after it) and the proxy's middleware callback (called before the proxy's server starts). Idempotent.
+    """
+    uvicorn_config.WS_PROTOCOLS[AUTO] = f"{__name__}:{UncompressedWebSocketProtocol.__name__}"
