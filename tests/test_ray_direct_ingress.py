@@ -34,7 +34,14 @@ from uvicorn.server import ServerState
 from qwen3tts_agent.ray.cli import direct_ingress_problem
 from qwen3tts_agent.ray.direct import DIRECT_INGRESS_ENV, DirectEndpoint, DirectIngress, target_endpoints
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
-from qwen3tts_agent.ray.transport import UncompressedWebSocketProtocol, decline_websocket_compression
+from qwen3tts_agent.ray.transport import (
+    ReplicaHttpProtocol,
+    ReplicaWebSocketProtocol,
+    UncompressedWebSocketProtocol,
+    bound_replica_connections,
+    decline_websocket_compression,
+)
+from qwen3tts_agent.server.config import ServerConfig
 from tests.ray_session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +50,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SLOTS = 2  # synthesis slots per replica (--max-active-streams), no queue: a full replica answers `busy` at once
 START_TIMEOUT_S = 150.0
 STOP_BOUND_S = 30.0  # idle: the local draining period (5 s), Serve's shutdown and Ray's
+READ_TIMEOUT_S = 1.0  # --http-read-timeout: a request head must arrive within this long
 ENDPOINT_LINE = re.compile(r"^replica (\S+) of \S+: direct endpoint (ws://\S+) ")
 
 
@@ -103,7 +111,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         "--ray-num-cpus", "2", "--port", str(port), "--api-key", API_KEY, "--max-streams", "4",
         "--max-active-streams", str(SLOTS), "--max-queued", "0", "--max-frames", "2000",
         "--voices-dir", str(tmp_path_factory.mktemp("voices")), "--health-check-period", "0.5",
-        "--routing-stats-period", "0.2", "--log-level", "warning",
+        "--routing-stats-period", "0.2", "--http-read-timeout", str(READ_TIMEOUT_S), "--log-level", "warning",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}  # serve-ray sets its own
     env["OMP_NUM_THREADS"] = "1"
@@ -226,6 +234,26 @@ async def test_serves_websocket_protocol_declines_permessage_deflate(monkeypatch
     assert protocol.conn.available_extensions == [] and config.ws_per_message_deflate
 
 
+async def test_a_replicas_port_gets_serves_connection_protocols_with_its_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replica does to its process before Serve starts its direct-ingress server: uvicorn configured as Serve
+    configures it (`http` and `ws` left "auto") gets `serve`'s bounded protocols, with the replica's limits."""
+    for table in (uvicorn.config.HTTP_PROTOCOLS, uvicorn.config.WS_PROTOCOLS):
+        monkeypatch.setitem(table, "auto", table["auto"])  # restored after
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        pass
+
+    bound_replica_connections(ServerConfig(max_message_bytes=1000, send_timeout_s=3.0, http_read_timeout_s=2.0))
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    config.load()
+    assert config.http_protocol_class is ReplicaHttpProtocol and config.ws_protocol_class is ReplicaWebSocketProtocol
+    http = ReplicaHttpProtocol(config=config, server_state=ServerState(), app_state={})
+    assert http.limits.read_timeout_s == 2.0 and http.limits.send_timeout_s == 3.0
+    ws = ReplicaWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+    assert ws.conn.available_extensions == [] and ws.conn.max_message_size == 2000 and ws.close_timeout == 3.0
+    assert config.ws_per_message_deflate and config.ws_max_size != 2000  # the server's own config as Serve set it
+
+
 # ---------------------------------------------------------------------------------------------- on the cluster
 def test_serve_ray_lists_each_replicas_own_endpoint(deployment: Deployment) -> None:
     printed = deployment.printed
@@ -313,6 +341,21 @@ async def test_the_direct_ports_and_the_proxy_send_audio_uncompressed(deployment
             assert done["finish_reason"] == "max_frames" and pcm == 3 * 1920 * 2
         finally:
             await session.close()
+
+
+def test_a_replicas_port_closes_a_request_head_that_never_ends(deployment: Deployment) -> None:
+    """Stock uvicorn keeps a connection that sends half a request head for good; a replica's own port answers 408
+    and closes after `--http-read-timeout`, as `serve` does."""
+    for url in deployment.printed.values():
+        host, port = url.removeprefix("ws://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            sock.settimeout(READ_TIMEOUT_S + 10)
+            started, answer = time.monotonic(), b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:200]
+            assert time.monotonic() - started < READ_TIMEOUT_S + 3
 
 
 async def test_the_proxy_still_serves_beside_the_direct_ports(deployment: Deployment) -> None:

@@ -14,8 +14,9 @@ life: its engine streams never move. On top of the app, the replica
 - names itself in an `x-qwen3tts-replica` response header (HTTP responses and WebSocket handshakes);
 - sends its metrics to the application's `MetricsHub` and answers `/metrics` for all replicas;
 - lists the replicas' own endpoints at `GET /v1/replicas` (with Serve's direct ingress: `direct.py`);
-- declines permessage-deflate on its own port under direct ingress, as `serve` does (`transport.py`: compressing
-  there delayed the first audio by tens of ms under load).
+- under direct ingress, serves its own port with `serve`'s connection protocols and limits (`transport.py`): no
+  permessage-deflate (compressing there delayed the first audio by tens of ms under load), deadlines for request
+  heads and unread responses, bounded buffers and frames.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .autoscaling import ENGINE_LOAD_METRIC, LoadMeter, engine_load
 from .direct import direct_ingress
 from .metrics import PUSH_INTERVAL_S, merge, render
 from .settings import RayServeSettings
-from .transport import decline_websocket_compression
+from .transport import bound_replica_connections
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class EngineReplica:
     """The Serve deployment class (wrapped by `serve.ingress()` in `app.build_app`)."""
 
     def __init__(self, settings: RayServeSettings, metrics_hub: Any) -> None:
-        decline_websocket_compression()  # before Serve starts this replica's direct-ingress server
+        bound_replica_connections(settings.server)  # before Serve starts this replica's direct-ingress server
         self._settings = settings
         self._hub = metrics_hub  # a DeploymentHandle of metrics.MetricsHub
         context = serve.get_replica_context()

@@ -195,6 +195,20 @@ def bound_send_buffers(transport: asyncio.Transport, size: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
+def connection_limits(config: ServerConfig) -> ConnectionLimits:
+    return ConnectionLimits(
+        send_buffer_bytes=config.send_buffer_bytes,
+        send_timeout_s=config.send_timeout_s,
+        read_timeout_s=config.http_read_timeout_s,
+    )
+
+
+def websocket_frame_limit(config: ServerConfig) -> int:
+    """The protocol layer refuses frames over twice the app's limit before buffering them; between the two the
+    app answers with a readable error. Both close with 1009."""
+    return 2 * config.max_message_bytes
+
+
 def connection_protocols(
     config: ServerConfig,
 ) -> tuple[Callable[..., BoundedHttpProtocol], Callable[..., BoundedWebSocketProtocol]]:
@@ -202,11 +216,7 @@ def connection_protocols(
 
     Partials of module-level classes, so a uvicorn config that holds them pickles (worker processes).
     """
-    limits = ConnectionLimits(
-        send_buffer_bytes=config.send_buffer_bytes,
-        send_timeout_s=config.send_timeout_s,
-        read_timeout_s=config.http_read_timeout_s,
-    )
+    limits = connection_limits(config)
     return partial(BoundedHttpProtocol, limits=limits), partial(BoundedWebSocketProtocol, limits=limits)
 
 
@@ -226,9 +236,7 @@ def uvicorn_options(config: ServerConfig, **overrides: object) -> dict[str, obje
     options: dict[str, object] = dict(
         host=config.host,
         port=config.port,
-        # The protocol layer refuses frames over twice the app's limit before buffering them; between the two
-        # the app answers with a readable error. Both close with 1009.
-        ws_max_size=2 * config.max_message_bytes,
+        ws_max_size=websocket_frame_limit(config),
         # No permessage-deflate, which clients (browsers, the `websockets` library) offer by default: zlib over
         # PCM saves little and cost an API worker about half its event loop under load (docs/server.md).
         ws_per_message_deflate=False,
