@@ -15,7 +15,7 @@ life: its engine streams never move. On top of the app, the replica
 - sends its metrics to the application's `MetricsHub` and answers `/metrics` for all replicas;
 - lists the replicas' own endpoints at `GET /v1/replicas` (with Serve's direct ingress: `direct.py`);
 - under direct ingress, serves its own port with `serve`'s connection protocols and limits (`transport.py`): no
-  permessage-deflate (compressing there delayed the first audio by tens of ms under load), deadlines for request
+  permessage-deflate (compressing there delayed first audio under load), deadlines for request
   heads and unread responses, bounded buffers and frames.
 """
 

@@ -4,16 +4,16 @@ Ray Serve 2.60 runs uvicorn for each replica's direct-ingress port (`ray/serve/_
 `_maybe_start_direct_ingress_servers`) and for each proxy, both through `http_util.start_asgi_http_server`, with
 uvicorn's defaults and no way to change them: `ws="auto"` (websockets-sansio) and `ws_per_message_deflate=True`.
 Browsers and the `websockets` library offer permessage-deflate, so every audio message was zlib-compressed there,
-although `serve` declines the extension (`server/connections.py`: PCM barely compresses and zlib cost an API
-worker about half its event loop under load).
+although `serve` declines the extension (`server/connections.py`: PCM barely compresses, and zlib weighs on an
+event loop under load; docs/server.md).
 
 In a replica it costs far more than the CPU: Serve runs the app on an event loop of its own thread
 (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`, on by default) while uvicorn's WebSocket protocol, and with it the
 compression, runs on the replica's main loop. Every message goes from one thread to the other
 (`call_soon_threadsafe`), and zlib lets go of the GIL for each compress and flush call, so under load the main loop
 keeps waiting to take the GIL back from the app's busy thread (up to the interpreter's switch interval, 5 ms, each
-time): the first audio of a session came tens of ms late, while HTTP streaming from the same replica (no zlib) did
-not. `decline_websocket_compression` makes uvicorn's "auto" WebSocket protocol of the calling process the same
+time): the first audio of a session came late, while HTTP streaming from the same replica (no zlib) did not
+(benchmarks/results/2026-12-05-cpu-ray-ws-deflate). `decline_websocket_compression` makes uvicorn's "auto" WebSocket protocol of the calling process the same
 websockets-sansio protocol with the extension declined; clients lose nothing (they accept an answer without it).
 
 A replica's own port (direct ingress) faces clients as `serve`'s port does, so `bound_replica_connections` gives
