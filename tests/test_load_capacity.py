@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.serving.load import CapacitySearch, capacity_figures, missed_criteria
+from benchmarks.serving.load import LIVE_GAUGES, CapacitySearch, capacity_figures, missed_criteria
 
 LIMITS = {"refused_fraction": 0.01, "underrun_fraction": 0.01, "p95_first_audio_ms": 100.0}
 
@@ -99,6 +99,9 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         assert probe["passed"] == (probe["failed"] == [])
         assert set(probe["failed"]) <= set(LIMITS)
         assert run["idle_wait_s"] is not None  # the server had drained before every window
+        # ... and after it: every stream of the window ended at its client and every live gauge came back to 0
+        assert run["drained_s"] is not None and run["completed"] + sum(run["errors"].values()) == run["requests"]
+        assert all(run["server_gauges_after"][name] == 0 for name in LIVE_GAUGES), run["server_gauges_after"]
     passing = [p for p in probes if p["passed"]]
     if passing:
         best = max(passing, key=lambda p: p["rate_per_s"])

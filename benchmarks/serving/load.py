@@ -7,7 +7,9 @@ from the `flush` sent (WebSocket, on a session opened before) or the request sen
 pool of keep-alive connections, as an SDK keeps them) to the first PCM bytes received. Each client
 plays what it receives at real time from the first PCM on, with no extra buffer: a stream underruns when
 its playback starves for more than 10 ms in all. Per rate: a warm-up, then a measured window (requests
-started in it), then a drain.
+started in it), then a drain: every stream of the window ends at its client, and then the server's live gauges
+(streams open or queued, in the API workers and the engine) must come back to 0 within `--drain-timeout`; each
+window reports how long that took (`drained_s`, None: never, a stream hung or leaked) and the gauges then.
 
 `--held N` is the closed loop instead: N calls at once, each playing one utterance and, once its listener has
 heard the last of it, asking for the next (starts spread over one utterance: a warm-up of at least that long
@@ -536,6 +538,10 @@ def run_rate(
     for c in clients:
         c.join()
     after, elapsed = scrape(url, args.api_key), time.monotonic() - scraped
+    # The live gauges lag the clients a little (the engine's stats are a snapshot, Ray's metrics are pushed), so the
+    # gauges that count are those once the server says it is idle, or after --drain-timeout if it never does.
+    drained_s = wait_until_idle(url, args.api_key, args.drain_timeout)
+    gauges = scrape(url, args.api_key)
     window = (start_at + args.warmup, start_at + total)
     summary = summarize(records, window)
     if held:
@@ -543,8 +549,8 @@ def run_rate(
         summary["held_until"] = "received" if args.back_to_back else "played"
     metrics = {k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)}
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
-                   engine=engine_figures(metrics, elapsed), server_metrics=metrics,
-                   server_gauges_after={k: v for k, v in after.items() if not _cumulative(k)})
+                   engine=engine_figures(metrics, elapsed), server_metrics=metrics, drained_s=drained_s,
+                   server_gauges_after={k: v for k, v in gauges.items() if not _cumulative(k)})
     if profile.enabled:
         summary["profile"] = profile.result()
     return summary
@@ -632,6 +638,9 @@ def print_summary(summary: dict[str, object]) -> None:
           f"underrun {summary['underrun_streams']}/{summary['completed']}; served "
           f"{fixed(summary['served_rate_per_s'])}/s; slowest RTF {fixed(summary['slowest_stream_rtf'], 2)}; "
           f"errors {summary['errors']}", flush=True)
+    if summary.get("drained_s", 0.0) is None:
+        live = {k: v for k, v in summary["server_gauges_after"].items() if k in LIVE_GAUGES and v}  # type: ignore[attr-defined]
+        print(f"  NOT DRAINED: the server still had {live} after the window's streams ended (hung or leaked)", flush=True)
     if "held_streams" in summary:
         print(f"  held until {summary['held_until']}: {summary['achieved_rate_per_s']:.1f} requests/s, streams at once "
               f"{summary['mean_streams_generating']:.0f} generating, {summary['mean_streams_playing']:.0f} playing",
