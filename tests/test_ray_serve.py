@@ -504,6 +504,30 @@ def test_settings_from_a_serve_config_refuse_unknown_keys(tmp_path: Path) -> Non
         RayServeSettings(model="m", target_engine_load=0).validate()
 
 
+def test_serve_ray_passes_serves_scheduling_options_to_every_replicas_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve-ray` takes `serve`'s scheduling options (the two share `add_server_arguments`): each reaches the
+    replicas' `Engine` keywords in the engine's units, through a printed Serve config as well, and a bad value
+    in a config file is refused by the option's name before any replica starts."""
+    import yaml
+
+    from qwen3tts_agent.cli import main
+
+    options = ["--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0",
+               "--clock-first-frame-load", "64", "--shed-lateness-ms", "20", "--chunk-schedule", "1,1,2,4,8"]
+    assert main(["serve-ray", "--model", "synthetic:tiny", "--num-gpus", "0.5", *options, "--print-config"]) == 0
+    settings = RayServeSettings.from_dict(yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"])
+    assert settings.engine_kwargs() == {
+        "max_streams": "auto", "backend": "auto", "device_share": 0.5, "codec_hold_s": 0.03, "step_period_s": 0.015,
+        "first_frame_step_load": 0, "clock_first_frame_load": 64, "shed_lateness_s": 0.02,
+        "chunk_schedule": (1, 1, 2, 4, 8),
+    }
+    assert RayServeSettings(model="m").engine_kwargs() == {"max_streams": "auto", "backend": "auto"}
+    with pytest.raises(ValueError, match="shed_lateness_ms"):
+        RayServeSettings(model="m", shed_lateness_ms=-1).validate()
+    with pytest.raises(ValueError, match="chunk schedule"):
+        RayServeSettings.from_dict({"model": "m", "chunk_schedule": [1, 0]}).validate()
+
+
 def _report(busy: int = 0, *, capacity: int = 2, sessions: int = 0, healthy: bool = True, overloaded: bool = False) -> dict[str, Any]:
     return {"at": 1.0, "ready": True, "healthy": healthy, "overloaded": overloaded, "capacity": capacity,
             "busy": busy, "sessions": sessions, "max_sessions": 64}

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..server.config import ServerConfig
+from ..server.config import ServerConfig, engine_tuning
 from .autoscaling import DEFAULT_TARGET_ENGINE_LOAD, check_target
 
 ENGINE_CORES = ("thread", "process")
@@ -29,10 +29,9 @@ class RayServeSettings:
         max_streams: engine stream slots per replica ("auto": what the device holds).
         backend: what runs the model maths, as for `serve` ("auto": int8 ONNX Runtime on a CPU, PyTorch and
             the Triton kernels on a GPU; docs/cpu-backend.md).
-        codec_hold_ms: how long a later chunk may wait to batch with other streams' in one codec call, as for
-            `serve --codec-hold-ms` (None: the engine's default).
-        step_period_ms: under load, how often a batched frame step may start at most, as for
-            `serve --step-period-ms` (None: the engine's default).
+        codec_hold_ms, step_period_ms, first_frame_step_load, clock_first_frame_load, shed_lateness_ms,
+            chunk_schedule: the engine's scheduling, as `serve`'s options of those names (`--codec-hold-ms` and
+            so on; docs/server.md); None: the engine's default.
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
             a child process of the replica (`engine/process/supervisor.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
@@ -71,6 +70,10 @@ class RayServeSettings:
     backend: str = "auto"
     codec_hold_ms: float | None = None
     step_period_ms: float | None = None
+    first_frame_step_load: int | None = None
+    clock_first_frame_load: int | None = None
+    shed_lateness_ms: float | None = None
+    chunk_schedule: tuple[int, ...] | None = None
     engine_core: str = "thread"
     torch_threads: int | None = None
     num_replicas: int | None = 1
@@ -100,10 +103,7 @@ class RayServeSettings:
             raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {self.engine_core!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.codec_hold_ms is not None and self.codec_hold_ms < 0:
-            raise ValueError(f"codec_hold_ms must not be negative, got {self.codec_hold_ms}")
-        if self.step_period_ms is not None and self.step_period_ms < 0:
-            raise ValueError(f"step_period_ms must not be negative, got {self.step_period_ms}")
+        self.engine_kwargs()  # the scheduling options' own checks
         if self.max_streams != "auto" and (not isinstance(self.max_streams, int) or self.max_streams < 1):
             raise ValueError(f"max_streams must be a positive number or 'auto', got {self.max_streams!r}")
         if self.num_replicas is not None and self.num_replicas < 1:
@@ -135,11 +135,7 @@ class RayServeSettings:
         kwargs: dict[str, Any] = {"max_streams": self.max_streams, "backend": self.backend}
         if 0.0 < self.num_gpus < 1.0:
             kwargs["device_share"] = self.num_gpus
-        if self.codec_hold_ms is not None:
-            kwargs["codec_hold_s"] = self.codec_hold_ms / 1000
-        if self.step_period_ms is not None:
-            kwargs["step_period_s"] = self.step_period_ms / 1000
-        return kwargs
+        return {**kwargs, **engine_tuning(vars(self))}
 
     @property
     def replica_ongoing_limit(self) -> int:
@@ -169,10 +165,14 @@ class RayServeSettings:
             if server_values.get(key) is not None:
                 server_values[key] = Path(server_values[key]).expanduser()
         server_values.setdefault("model_name", values.get("model", "qwen3-tts"))
+        if values.get("chunk_schedule") is not None:  # a YAML list
+            values = {**values, "chunk_schedule": tuple(values["chunk_schedule"])}
         return cls(**{**values, "server": ServerConfig(**server_values)})
 
     def to_dict(self) -> dict[str, Any]:
         """The inverse of `from_dict` (paths as strings), e.g. to write a Serve config."""
         values = asdict(self)
         values["server"] = {k: str(v) if isinstance(v, Path) else v for k, v in values["server"].items()}
+        if self.chunk_schedule is not None:  # YAML has no tuples
+            values["chunk_schedule"] = list(self.chunk_schedule)
         return values

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_CHUNK_FRAMES, MAX_SCHEDULE_CHUNKS, ServerConfig, default_voices_dir
+from .config import ServerConfig, check_chunk_schedule, default_voices_dir, engine_tuning
 
 MAX_AUTO_WORKERS = 4
 # The [server] extra's packages, looked up (not imported) when the CLI registers `serve`, so a missing extra
@@ -29,14 +29,13 @@ _require_installed(SERVER_PACKAGES)
 def chunk_schedule(text: str) -> tuple[int, ...]:
     """`--chunk-schedule`: comma-separated frames per chunk ("1,2,4,8"; the last repeats)."""
     try:
-        schedule = tuple(int(part) for part in text.split(","))
+        schedule = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"frames per chunk, comma-separated (e.g. 1,2,4,8), not {text!r}") from None
-    if not 1 <= len(schedule) <= MAX_SCHEDULE_CHUNKS or not all(1 <= n <= MAX_CHUNK_FRAMES for n in schedule):
-        raise argparse.ArgumentTypeError(
-            f"1 to {MAX_SCHEDULE_CHUNKS} chunks of 1 to {MAX_CHUNK_FRAMES} frames each, not {text!r}"
-        )
-    return schedule
+    try:
+        return check_chunk_schedule(schedule)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -152,30 +151,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def engine_options(args: argparse.Namespace, max_streams: int | str) -> dict[str, Any]:
     """The `Engine` keyword arguments the options of `add_server_arguments` set (others keep their defaults)."""
-    options: dict[str, Any] = {"max_streams": max_streams, "backend": args.backend}
-    if args.codec_hold_ms is not None:
-        if args.codec_hold_ms < 0:
-            raise ValueError("--codec-hold-ms must not be negative")
-        options["codec_hold_s"] = args.codec_hold_ms / 1000
-    if args.step_period_ms is not None:
-        if args.step_period_ms < 0:
-            raise ValueError("--step-period-ms must not be negative")
-        options["step_period_s"] = args.step_period_ms / 1000
-    if args.first_frame_step_load is not None:
-        if args.first_frame_step_load < 0:
-            raise ValueError("--first-frame-step-load must not be negative")
-        options["first_frame_step_load"] = args.first_frame_step_load
-    if args.chunk_schedule is not None:
-        options["chunk_schedule"] = args.chunk_schedule
-    if args.clock_first_frame_load is not None:
-        if args.clock_first_frame_load < 0:
-            raise ValueError("--clock-first-frame-load must not be negative")
-        options["clock_first_frame_load"] = args.clock_first_frame_load
-    if args.shed_lateness_ms is not None:
-        if args.shed_lateness_ms < 0:
-            raise ValueError("--shed-lateness-ms must not be negative")
-        options["shed_lateness_s"] = args.shed_lateness_ms / 1000
-    return options
+    return {"max_streams": max_streams, "backend": args.backend, **engine_tuning(vars(args))}
 
 
 def run_serve(args: argparse.Namespace) -> int:

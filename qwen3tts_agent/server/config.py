@@ -4,12 +4,53 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# A chunk schedule's bounds: a session's `start` (server/protocol.py) and `serve --chunk-schedule` (server/cli.py).
+# A chunk schedule's bounds: a session's `start` (server/protocol.py), `serve --chunk-schedule` (server/cli.py)
+# and `serve-ray`'s (ray/settings.py).
 MAX_CHUNK_FRAMES = 64
 MAX_SCHEDULE_CHUNKS = 8
+# The engine's scheduling options `serve` and `serve-ray` share, by name (a `RayServeSettings` field; on the
+# command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and the factor to its units
+# (milliseconds to seconds; None: a count, as given). `chunk_schedule` is the one more (`check_chunk_schedule`).
+ENGINE_TUNING: dict[str, tuple[str, float | None]] = {
+    "codec_hold_ms": ("codec_hold_s", 1e-3),
+    "step_period_ms": ("step_period_s", 1e-3),
+    "first_frame_step_load": ("first_frame_step_load", None),
+    "clock_first_frame_load": ("clock_first_frame_load", None),
+    "shed_lateness_ms": ("shed_lateness_s", 1e-3),
+}
+
+
+def check_chunk_schedule(schedule: Sequence[int]) -> tuple[int, ...]:
+    """A chunk schedule as the engine takes it (frames per chunk, the last repeating), or ValueError when it has
+    more chunks or longer ones than a session's `start` may ask for."""
+    if not 1 <= len(schedule) <= MAX_SCHEDULE_CHUNKS or not all(
+        isinstance(n, int) and 1 <= n <= MAX_CHUNK_FRAMES for n in schedule
+    ):
+        raise ValueError(f"a chunk schedule is 1 to {MAX_SCHEDULE_CHUNKS} chunks of 1 to {MAX_CHUNK_FRAMES} frames "
+                         f"each, got {list(schedule)}")
+    return tuple(schedule)
+
+
+def engine_tuning(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The `Engine` keywords of the scheduling options set in `values` (`ENGINE_TUNING`'s names and
+    `chunk_schedule`; None or absent: the engine's default), in the engine's units. A negative value is a
+    ValueError that names the option both ways (`codec_hold_ms`, `--codec-hold-ms`)."""
+    kwargs: dict[str, Any] = {}
+    for name, (keyword, scale) in ENGINE_TUNING.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if value < 0:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must not be negative, got {value}")
+        kwargs[keyword] = value * scale if scale is not None else value
+    if values.get("chunk_schedule") is not None:
+        kwargs["chunk_schedule"] = check_chunk_schedule(values["chunk_schedule"])
+    return kwargs
 
 
 def default_voices_dir() -> Path:
