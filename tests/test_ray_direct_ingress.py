@@ -33,13 +33,16 @@ from uvicorn.server import ServerState
 
 from qwen3tts_agent.ray.cli import direct_ingress_problem
 from qwen3tts_agent.ray.direct import DIRECT_INGRESS_ENV, DirectEndpoint, DirectIngress, target_endpoints
+from qwen3tts_agent.ray.proxy import proxy_middlewares
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.transport import (
-    ReplicaHttpProtocol,
-    ReplicaWebSocketProtocol,
-    UncompressedWebSocketProtocol,
-    bound_replica_connections,
-    decline_websocket_compression,
+    PROXY_LIMITS_ENV,
+    LimitedHttpProtocol,
+    LimitedWebSocketProtocol,
+    ProxyWebSocketProtocol,
+    bound_connections,
+    bound_proxy_connections,
+    proxy_limits_environment,
 )
 from qwen3tts_agent.server.config import ServerConfig
 from tests.ray_session import Session
@@ -217,21 +220,44 @@ def test_print_config_says_direct_ingress_is_the_clusters(capsys: pytest.Capture
     assert f"export {DIRECT_INGRESS_ENV}=1" in err and "direct" not in out  # the config file cannot carry it
 
 
-async def test_serves_websocket_protocol_declines_permessage_deflate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a replica (and a proxy) does to its process before Serve starts its server there: uvicorn configured as
-    Serve configures it (`ws` left "auto", permessage-deflate on) gets a protocol that offers no extension, and the
-    server's own config is left as it was."""
-    monkeypatch.setitem(uvicorn.config.WS_PROTOCOLS, "auto", uvicorn.config.WS_PROTOCOLS["auto"])  # restored after
+async def test_a_proxy_gets_serves_connection_protocols_with_the_limits_serve_ray_gave_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the proxy's middleware callback does to its process before Serve starts its server there: uvicorn
+    configured as Serve configures it (`http` and `ws` left "auto", permessage-deflate on) gets `serve`'s bounded
+    protocols with the limits `serve-ray` put in the environment (`ServerConfig`'s defaults without them), a
+    WebSocket that offers no extension, and the server's own config left as it was; a malformed variable stops
+    the proxy with its name rather than leave it unbounded."""
+    for table in (uvicorn.config.HTTP_PROTOCOLS, uvicorn.config.WS_PROTOCOLS):
+        monkeypatch.setitem(table, "auto", table["auto"])  # restored after
 
     async def app(scope: object, receive: object, send: object) -> None:
         pass
 
-    decline_websocket_compression()
-    config = uvicorn.Config(app, lifespan="off", log_config=None)
-    config.load()
-    assert config.ws_per_message_deflate and config.ws_protocol_class is UncompressedWebSocketProtocol
-    protocol = UncompressedWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
-    assert protocol.conn.available_extensions == [] and config.ws_per_message_deflate
+    def loaded() -> uvicorn.Config:
+        config = uvicorn.Config(app, lifespan="off", log_config=None)
+        config.load()
+        return config
+
+    monkeypatch.setenv(*next(iter(proxy_limits_environment(ServerConfig(http_read_timeout_s=2.0, send_timeout_s=3.0,
+                                                                        max_message_bytes=1000)).items())))
+    proxy_middlewares()
+    config = loaded()
+    assert config.http_protocol_class is LimitedHttpProtocol and config.ws_protocol_class is ProxyWebSocketProtocol
+    http = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={})
+    assert http.limits.read_timeout_s == 2.0 and http.limits.send_timeout_s == 3.0
+    ws = ProxyWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+    assert ws.conn.available_extensions == [] and ws.conn.max_message_size == 2000 and ws.close_timeout == 3.0
+    assert config.ws_per_message_deflate  # the server's own config as Serve set it
+
+    monkeypatch.delenv(PROXY_LIMITS_ENV)
+    bound_proxy_connections()
+    http = LimitedHttpProtocol(config=loaded(), server_state=ServerState(), app_state={})
+    assert http.limits.read_timeout_s == ServerConfig().http_read_timeout_s
+    for bad in ("not json", '{"send_timeout": 1}', "[1]"):
+        monkeypatch.setenv(PROXY_LIMITS_ENV, bad)
+        with pytest.raises(ValueError, match=PROXY_LIMITS_ENV):
+            bound_proxy_connections()
 
 
 async def test_a_replicas_port_gets_serves_connection_protocols_with_its_limits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,13 +269,13 @@ async def test_a_replicas_port_gets_serves_connection_protocols_with_its_limits(
     async def app(scope: object, receive: object, send: object) -> None:
         pass
 
-    bound_replica_connections(ServerConfig(max_message_bytes=1000, send_timeout_s=3.0, http_read_timeout_s=2.0))
+    bound_connections(ServerConfig(max_message_bytes=1000, send_timeout_s=3.0, http_read_timeout_s=2.0))
     config = uvicorn.Config(app, lifespan="off", log_config=None)
     config.load()
-    assert config.http_protocol_class is ReplicaHttpProtocol and config.ws_protocol_class is ReplicaWebSocketProtocol
-    http = ReplicaHttpProtocol(config=config, server_state=ServerState(), app_state={})
+    assert config.http_protocol_class is LimitedHttpProtocol and config.ws_protocol_class is LimitedWebSocketProtocol
+    http = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={})
     assert http.limits.read_timeout_s == 2.0 and http.limits.send_timeout_s == 3.0
-    ws = ReplicaWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+    ws = LimitedWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
     assert ws.conn.available_extensions == [] and ws.conn.max_message_size == 2000 and ws.close_timeout == 3.0
     assert config.ws_per_message_deflate and config.ws_max_size != 2000  # the server's own config as Serve set it
 

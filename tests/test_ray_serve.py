@@ -48,6 +48,7 @@ from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
+from qwen3tts_agent.ray.transport import proxy_limits_environment
 from qwen3tts_agent.server.config import ServerConfig
 from tests.ray_session import Session
 
@@ -77,10 +78,18 @@ def app_settings(voices_dir: Path) -> RayServeSettings:
     )
 
 
-# Serve's processes read this at start: the proxy's middleware. (How often the proxies and the replicas send
-# the autoscaler their metrics is the autoscaling config's `metrics_interval_s`, 10 s: Ray 2.60 defines the
-# RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables but reads neither.)
-CLUSTER_ENV = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}
+# Serve's processes read these at start: the proxy's middleware, and its connection limits (short, so the
+# tests of clients that stall see them act; the replicas' own limits are `app_settings`'). (How often the proxies
+# and the replicas send the autoscaler their metrics is the autoscaling config's `metrics_interval_s`, 10 s: Ray
+# 2.60 defines the RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables but reads neither.)
+PROXY_READ_TIMEOUT_S = 1.0
+PROXY_SEND_TIMEOUT_S = 2.0
+CLUSTER_ENV = {
+    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
+    **proxy_limits_environment(ServerConfig(
+        http_read_timeout_s=PROXY_READ_TIMEOUT_S, send_timeout_s=PROXY_SEND_TIMEOUT_S, send_buffer_bytes=16384,
+    )),
+}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,24 @@ def per_replica(text: str, name: str, **labels: str) -> dict[str, float]:
         if all(d.get(k) == v for k, v in labels.items()):
             totals[d["replica"]] = totals.get(d["replica"], 0.0) + value
     return totals
+
+
+def tuple_address(url: str) -> tuple[str, int]:
+    host, port = url.split(":")
+    return host, int(port)
+
+
+def live(url: str) -> float:
+    """Streams open or queued on the replicas, by the server's own gauges summed over them (`/metrics`)."""
+    text = scrape(url)
+    return sum(sum(metric_values(text, name).values()) for name in ("qwen3tts_active_streams", "qwen3tts_queued_requests"))
+
+
+async def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        await asyncio.sleep(0.2)
 
 
 def scrape(url: str, path: str = "/metrics") -> str:
@@ -278,6 +305,43 @@ def test_metrics_are_summed_over_replicas_and_kept_apart_per_replica(serve_url: 
 def test_without_direct_ingress_the_replicas_have_no_ports_of_their_own(serve_url: str) -> None:
     listed = httpx.get(f"http://{serve_url}/v1/replicas", headers=AUTH, timeout=30)  # see test_ray_direct_ingress.py
     assert listed.status_code == 200 and listed.json() == {"direct_ingress": False, "replicas": []}
+
+
+def test_the_proxy_closes_a_request_head_that_never_ends(serve_url: str) -> None:
+    """Stock uvicorn, which Serve's proxy runs, keeps a connection that sends half a request head for good; the
+    proxy answers 408 and closes after its `http_read_timeout_s`, as `serve` does."""
+    host, port = serve_url.split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        sock.settimeout(PROXY_READ_TIMEOUT_S + 10)
+        started, answer = time.monotonic(), b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:200]
+    assert time.monotonic() - started < PROXY_READ_TIMEOUT_S + 3
+
+
+async def test_a_client_that_stops_reading_through_the_proxy_frees_its_replicas_slot(serve_url: str) -> None:
+    """Serve's proxy app waits on a client that stopped reading for good: the replica's session behind it held
+    its slot until the replica's own send timeout (10 s here, through Serve's relay) and the client's connection
+    stayed open after. The proxy aborts such a connection after its `send_timeout_s`, the replica sees the client
+    leave, and the slot comes back (the server's gauges return to 0) well before the replica's timeout."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a tiny window stalls the proxy fast
+    sock.connect(tuple_address(serve_url))
+    sock.setblocking(False)
+    ws = await connect(f"ws://{serve_url}/v1/stream", additional_headers=AUTH, sock=sock, max_queue=1, proxy=None)
+    await ws.send(json.dumps({"type": "start", "sampling": {"ignore_eos": True, "seed": 3, "max_frames": 2000},
+                              "audio_format": {"encoding": "pcm_f32le", "sample_rate": 48000}}))  # 15 KB a frame
+    await ws.send(json.dumps({"type": "text", "text": "Nobody reads this."}))
+    await ws.send(json.dumps({"type": "flush"}))
+    await wait_until(lambda: live(serve_url) > 0, 30, "the stalled client's stream started")
+    stalled = time.monotonic()
+    await wait_until(lambda: live(serve_url) == 0, 60, "the stalled client's stream ended")
+    assert time.monotonic() - stalled < PROXY_SEND_TIMEOUT_S + 6  # measured: 2.2 s, and 15 s without the deadline
+    with pytest.raises(ConnectionClosed):
+        while True:  # reading again finds what was buffered, then the aborted connection
+            await asyncio.wait_for(ws.recv(), 10)
 
 
 async def test_a_replica_whose_engine_died_is_passed_over_and_replaced(serve_url: str) -> None:

@@ -211,6 +211,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
     """Deploy and serve until interrupted; 2 for bad settings, 1 if the replicas failed to start."""
     from .app import ENGINE_DEPLOYMENT, build_app
     from .proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from .transport import proxy_limits_environment
 
     try:
         if args.max_streams != "auto" and not args.max_streams.isdigit():
@@ -231,6 +232,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
     local = args.address is None
     if local:  # Serve's processes of a Ray instance started here read these when they start
         os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+        os.environ.update(proxy_limits_environment(settings.server))  # the proxies' connection bounds
         if args.direct_ingress:
             os.environ[DIRECT_INGRESS_ENV] = "1"
         if enabled_in_environment():  # a stopping replica's port stays open this long (Ray's default: 30 s)

@@ -26,7 +26,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.protocol import CLOSE_INTERNAL, ApiError
-from .transport import decline_websocket_compression
+from .transport import bound_proxy_connections
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "qwen3tts_agent.ray.proxy:proxy_middlewares"
@@ -42,8 +42,8 @@ _SERVE_ERRORS = {  # Serve's own plain-text answers, in the server's codes
 
 def proxy_middlewares() -> list[Middleware]:
     """The callback Serve calls in each proxy (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`), before the proxy starts
-    its server: that server declines permessage-deflate too (`transport.py`)."""
-    decline_websocket_compression()
+    its server: that server gets `serve`'s connection protocols and bounds too (`transport.py`)."""
+    bound_proxy_connections()
     return [Middleware(ServeErrorShapes)]
 
 

@@ -45,7 +45,7 @@ from .autoscaling import ENGINE_LOAD_METRIC, LoadMeter, engine_load
 from .direct import direct_ingress
 from .metrics import PUSH_INTERVAL_S, merge, render
 from .settings import RayServeSettings
-from .transport import bound_replica_connections
+from .transport import bound_connections
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class EngineReplica:
     """The Serve deployment class (wrapped by `serve.ingress()` in `app.build_app`)."""
 
     def __init__(self, settings: RayServeSettings, metrics_hub: Any) -> None:
-        bound_replica_connections(settings.server)  # before Serve starts this replica's direct-ingress server
+        bound_connections(settings.server)  # before Serve starts this replica's direct-ingress server
         self._settings = settings
         self._hub = metrics_hub  # a DeploymentHandle of metrics.MetricsHub
         context = serve.get_replica_context()

@@ -70,9 +70,10 @@ def serve_replica(port: int) -> None:
     class IO:
         def __init__(self) -> None:
             if os.environ.get("FIX") == "1":
-                from qwen3tts_agent.ray.transport import decline_websocket_compression
+                from qwen3tts_agent.ray.transport import bound_connections
+                from qwen3tts_agent.server.config import ServerConfig
 
-                decline_websocket_compression()
+                bound_connections(ServerConfig())  # what a replica does (declines compression, among its bounds)
 
     serve.run(IO.bind(), name="io", route_prefix="/")  # type: ignore[attr-defined]
     print("READY", flush=True)
