@@ -149,34 +149,62 @@ def test_a_first_chunk_decoded_beside_a_step_goes_out_before_the_step_after_it(
     """On a CPU a frame step holds the core's thread, and nothing is delivered while it runs. The first chunk
     decodes beside the second frame (just handed over: not waited for); when the third frame would start while
     that decode is near its end, the step waits for it, so the chunk leaves before the third frame instead of
-    after it. Steps take 0.2 s here and the first decode 0.25 s: it ends ~0.05 s into the third frame's slot."""
-    step_s, first_decode_s = 0.2, 0.25
+    after it.
+
+    Events, not durations, place the decode's end. The test used to sleep the decode so that it ended 0.05 s
+    into the third frame's slot, inside the launcher's 0.1 s wait: a loaded CPU or a garbage collection that
+    stalled the codec's thread a little longer made it miss that wait, and the engine then rightly went on
+    without it (a flaky failure on CI). Here:
+    - the second frame lasts `step_s`, and also until the decode has done its real work, however slow;
+    - the decode's last `tail_s` starts only once the launcher, about to start the third frame, asks which first
+      chunks to wait for (were that wait gone, once the third frame starts: the chunk then leaves after it);
+    - the launcher then waits up to half a step, 0.5 s: the tail has 0.4 s to spare on a stalled thread.
+    The later frames take only their own time."""
+    step_s, tail_s = 1.0, 0.1
     engine = engine_for("synthetic:tiny", max_streams=1)
+    near_end = threading.Event()  # the third frame is about to start: the first chunk's decode ends now
     try:
-        runner, codec = engine.core.runner, engine.core.audio.codec
+        runner, audio = engine.core.runner, engine.core.audio
+        codec = audio.codec
+        original_step, original_decode, original_wait = runner.frame_step, codec.decode, audio.wait_for_first_audio
         step_starts: list[float] = []
-        original_step, original_decode = runner.frame_step, codec.decode
-
-        def frame_step(*args, **kwargs):
-            step_starts.append(time.perf_counter())
-            time.sleep(step_s)
-            return original_step(*args, **kwargs)
-
+        decoded = threading.Event()  # the first chunk's codec work is done, all but its tail
         first = iter([True])
 
+        def frame_step(*args, **kwargs):
+            frame = len(step_starts)
+            step_starts.append(time.perf_counter())
+            if frame == 2:
+                near_end.set()  # the third frame went without waiting for the chunk (it must not)
+            if frame < 2:
+                time.sleep(step_s)
+            if frame == 1:
+                decoded.wait(60)
+            return original_step(*args, **kwargs)
+
         def decode(*args, **kwargs):
+            pcm = original_decode(*args, **kwargs)
             if next(first, False):
-                time.sleep(first_decode_s)
-            return original_decode(*args, **kwargs)
+                decoded.set()
+                near_end.wait(60)
+                time.sleep(tail_s)
+            return pcm
+
+        def wait_for_first_audio(timeout_s: float, older_than_s: float) -> bool:
+            if len(step_starts) >= 2:  # called on the core's thread between frames: the second has run
+                near_end.set()
+            return original_wait(timeout_s, older_than_s)
 
         voice = xvector_voice(engine)
         monkeypatch.setattr(runner, "frame_step", frame_step)
         monkeypatch.setattr(codec, "decode", decode)
+        monkeypatch.setattr(audio, "wait_for_first_audio", wait_for_first_audio)
         stream = engine.open_stream(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=4, ignore_eos=True))
         chunks = list(stream.chunks(timeout=60))
         left = chunks[0].timings.ready  # when the core handed the first chunk out
         assert step_starts[1] < left < step_starts[2]
     finally:
+        near_end.set()  # a decode still held must not keep the codec's thread from closing
         engine.close()
 
 
