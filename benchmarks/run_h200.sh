@@ -44,7 +44,8 @@
 # replicas of half the GPU then one of all of it, the load's 4 client processes on the replicas' own ports
 # (load.py --client-urls) at ray-1gpu's rates; RAY_REPLICA_COUNTS, RAY_WINDOW, RAY_SERVE_ARGS as there), and
 # ray-1gpu-mps (likewise, after ray-install: the two half-GPU replicas on their own ports under a CUDA MPS control
-# daemon of the stage's own, so that their kernels share the GPU at once rather than by turns).
+# daemon of the stage's own, so that their kernels share the GPU at once rather than by turns; RAY_MPS_INGRESS="direct
+# proxy" runs them on their own ports and then through Serve's proxy).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -246,14 +247,21 @@ for stage in "$@"; do
     ray-1gpu-mps)
       # the two half-GPU replicas of ray-1gpu-direct under CUDA MPS: one control daemon, a user process with pipe and
       # log folders of its own (processes started without CUDA_MPS_PIPE_DIRECTORY never see it; no setting of the
-      # GPU changes), so the replicas' kernels run at once instead of by turns; quit when the load is done
+      # GPU changes), so the replicas' kernels run at once instead of by turns; quit when the load is done.
+      # RAY_MPS_INGRESS="direct proxy" also runs them through Serve's proxy (ray-1gpu's ingress; default: direct)
       ray_ready
       command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine: skipped"; continue; }
       ( export CUDA_MPS_PIPE_DIRECTORY=/tmp/qwen3tts-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qwen3tts-mps/log
         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
         nvidia-cuda-mps-control -d || exit 1
         trap 'echo quit | nvidia-cuda-mps-control' EXIT
-        ray_1gpu_load ray-1gpu-mps DIRECT=1 GPUS_PER_DEPLOYMENT=1 PORT=18204 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2}" )
+        for ingress in ${RAY_MPS_INGRESS:-direct}; do
+          case $ingress in
+            direct) ray_1gpu_load ray-1gpu-mps DIRECT=1 GPUS_PER_DEPLOYMENT=1 PORT=18204 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2}" ;;
+            proxy) ray_1gpu_load ray-1gpu-mps-proxy NUM_GPUS=0.5 PORT=18205 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2}" ;;
+            *) echo "RAY_MPS_INGRESS: direct or proxy, not $ingress" ;;
+          esac
+        done )
       tar czf "$out/ray-1gpu-mps-daemon-log.tgz" -C /tmp/qwen3tts-mps log ;;
     ray-1gpu-faults)
       # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process

@@ -10,8 +10,9 @@ the stream's slack. Chunks due for decoding are handed to the core most urgent f
 by deadline), and a stream whose audio cut so far runs out soon gets its pending frames decoded at once rather
 than waiting to fill its next scheduled chunk (`cut_chunk`; no chunk is ever longer than its schedule's).
 Overload is refused at admission (`overloaded`: while a stream is live, from the last second's step times and
-late chunks booked in `load`) while admitted streams still have slack, instead of letting every stream starve a
-little.
+late chunks booked in `load`, or while a request has waited `SLOT_WAIT_TO_SHED_S` for a slot) while admitted
+streams still have slack, instead of letting every stream starve a little, or letting new ones queue for seconds
+behind full slots (a caller would rather hear `busy` at once and go elsewhere).
 
 First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
 a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
@@ -59,6 +60,11 @@ from .device_load import DeviceLoad
 from .requests import ChunkPlan, PrefillPlan, RequestState, cut_chunk, urgency
 from .slots import SlotPool
 from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
+
+# Refuse new streams while a request has waited this long for its first slot: every slot is taken, and streams
+# leave them slower than new ones come, so a new stream's first audio would be that much late at least. (Lateness
+# of chunks says nothing here: a queued request has no deadline yet; docs/performance.md has the run.)
+SLOT_WAIT_TO_SHED_S = 0.1
 
 
 class SlotMove(NamedTuple):
@@ -512,10 +518,19 @@ class Scheduler:
 
     def overloaded(self, now: float) -> bool:
         """Whether new streams should be refused now (the engine's `busy`): while a request is live and the
-        device's recent steps or chunks say it runs behind (`DeviceLoad.overloaded`). An engine with nothing
-        live admits whatever that evidence says: it was about load that left with its streams, and a new stream
-        would have the device to itself. (Read on callers' threads: `requests` is only tested for emptiness.)"""
-        return bool(self.requests) and self.load.overloaded(now)
+        device's recent steps or chunks say it runs behind (`DeviceLoad.overloaded`), or a request has waited
+        `SLOT_WAIT_TO_SHED_S` for its slot. An engine with nothing live admits whatever the device's evidence
+        says: it was about load that left with its streams, and a new stream would have the device to itself.
+        (Read on callers' threads: `requests` is only tested for emptiness, `waiting` read from a copy.)"""
+        return bool(self.requests) and (self.load.overloaded(now) or self.slot_wait(now) >= SLOT_WAIT_TO_SHED_S)
+
+    def slot_wait(self, now: float) -> float:
+        """How long the oldest request still waiting for its first slot has waited (0.0: none waits). A request
+        started over after a wrong speculation (`restart`) had a slot already and does not count."""
+        for request in list(self.waiting):  # a copy: the core's thread changes the list
+            if not request.admitted_at:
+                return max(0.0, now - request.arrived)
+        return 0.0
 
     # ----------------------------------------------------------------- delivery
     def on_delivered(self, plan: ChunkPlan, now: float) -> None:

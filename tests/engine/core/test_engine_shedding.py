@@ -1,5 +1,6 @@
 """Refusing new streams (`shed_when_behind`) is a statement about load now: the real engine on the CPU, driven
-through one slow step (issue 42: one slow step made an idle engine refuse every stream from then on).
+through one slow step (issue 42: one slow step made an idle engine refuse every stream from then on), and
+through a request kept waiting for a slot.
 
 The slow step is the runner's own frame step with a sleep before it, once (`_slow_step_once`): on the CPU the
 core times a batched step around that call (`StepLauncher._queue_step`), so the sleep is the step's time, as
@@ -15,6 +16,7 @@ import pytest
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.engine.scheduler import device_load
+from qwen3tts_agent.engine.scheduler.scheduler import SLOT_WAIT_TO_SHED_S
 from qwen3tts_agent.errors import EngineOverloadedError
 from tests.engine_helpers import engine_for, xvector_voice
 
@@ -96,3 +98,31 @@ def test_a_slow_step_refuses_new_streams_beside_a_live_one_until_it_is_a_window_
     waiting.push_text("what else?")
     waiting.close_input()
     assert sum(chunk.frame_end - chunk.frame_start for chunk in waiting.chunks(timeout=60)) == waiting.result.frames > seen
+
+
+def test_a_request_kept_waiting_for_a_slot_refuses_new_streams_until_it_has_one(engine: Engine) -> None:
+    """Both slots held by streams waiting for their callers' text, a third request queues in the core for a
+    slot. Once it has waited `SLOT_WAIT_TO_SHED_S`, new streams are refused at once (`busy`) instead of queueing
+    behind it for seconds (no chunk is late: a queued request has no deadline yet); when a slot frees, the queued
+    request takes it and runs, and new streams are admitted again."""
+    voice = xvector_voice(engine)
+    scheduler = engine.core.scheduler
+    holders = [engine.open_stream(voice=voice, sampling=_sampling(200)) for _ in range(2)]
+    for holder in holders:
+        holder.push_text("Hello there, ")  # a few frames, then a wait for more text, in its slot
+    queued = engine.open_stream(TEXT, voice=voice, sampling=_sampling(4))
+    deadline = time.monotonic() + 30
+    while scheduler.slot_wait(time.perf_counter()) < SLOT_WAIT_TO_SHED_S:
+        assert time.monotonic() < deadline, "the third request never waited for a slot"
+        time.sleep(0.01)
+    assert len(scheduler.running) == 2 and not queued.done
+    with pytest.raises(EngineOverloadedError):
+        engine.open_stream(TEXT, voice=voice, sampling=_sampling(4))
+    assert engine.stats().overloaded and scheduler.load.stats.late_chunks == 0
+
+    holders[0].cancel()
+    assert sum(chunk.frame_end - chunk.frame_start for chunk in queued.chunks(timeout=60)) == 4
+    assert scheduler.slot_wait(time.perf_counter()) == 0.0 and not engine.stats().overloaded
+    pcm, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(4))
+    assert result.finish_reason == "max_frames" and len(pcm) == 4 * 1920
+    holders[1].cancel()

@@ -20,6 +20,7 @@ from qwen3tts_agent.engine.scheduler.requests import (
     RequestState,
     runaway_frame_limit,
 )
+from qwen3tts_agent.engine.scheduler.scheduler import SLOT_WAIT_TO_SHED_S
 from qwen3tts_agent.engine.scheduler.step_timing import (
     EARLY_HOLD_MARGIN_S,
     PACE_MARGIN_S,
@@ -356,6 +357,24 @@ def test_an_engine_with_nothing_live_admits_whatever_its_recent_steps_say() -> N
     assert not scheduler.overloaded(1.0 + STEP_WINDOW_S + 0.01)  # and then it was not
     scheduler.finish(r, FinishReason.CANCELLED)
     assert not scheduler.overloaded(1.1)
+
+
+def test_a_request_kept_waiting_for_a_slot_refuses_new_streams_until_it_has_one() -> None:
+    """Every slot taken, a request that has waited SLOT_WAIT_TO_SHED_S for its first slot is evidence that new
+    streams would wait as long: the scheduler refuses them until it has a slot. The device's own evidence says
+    nothing (no step is slow, no chunk late)."""
+    scheduler = make_scheduler()
+    for i in range(SLOTS):
+        start(scheduler, make_request(f"r{i}"), [5, 6], now=1.0)
+    queued = make_request("queued")
+    queued.arrived = 1.0
+    scheduler.add(queued)
+    assert scheduler.admit(1.0) == [] and scheduler.slot_wait(1.0) == 0.0
+    assert scheduler.slot_wait(1.05) == pytest.approx(0.05) and not scheduler.overloaded(1.05)
+    assert scheduler.overloaded(1.0 + SLOT_WAIT_TO_SHED_S) and not scheduler.load.overloaded(1.0 + SLOT_WAIT_TO_SHED_S)
+    scheduler.finish(scheduler.get("r0"), FinishReason.CANCELLED)  # no step in flight: its slot is free at once
+    assert scheduler.admit(1.2) == [queued]
+    assert scheduler.slot_wait(1.2) == 0.0 and not scheduler.overloaded(1.2)
 
 
 def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None:
