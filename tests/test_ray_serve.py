@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 from collections import Counter
@@ -48,7 +49,7 @@ from qwen3tts_agent.ray.proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from qwen3tts_agent.ray.replica import REPLICA_HEADER
 from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
-from qwen3tts_agent.ray.transport import proxy_limits_environment
+from qwen3tts_agent.ray.transport import PROXY_LIMITS_ENV, proxy_limits_environment
 from qwen3tts_agent.server.config import ServerConfig
 from tests.ray_session import Session
 
@@ -726,6 +727,13 @@ def test_serve_ray_prints_a_config_that_builds_the_same_settings(capsys: pytest.
     out, err = capsys.readouterr()
     assert "--target-ongoing-requests is ignored with --autoscale-on engine-load" in err
     assert yaml.safe_load(out)["applications"][0]["args"]["autoscale_on"] == "engine-load"
+
+    # the proxies' limits live in their environment, not in the config: printed as the line to export
+    assert main(["serve-ray", "--model", "m", "--num-gpus", "0", "--print-config"]) == 0
+    assert PROXY_LIMITS_ENV not in capsys.readouterr().err  # serve's defaults: nothing to export
+    assert main(["serve-ray", "--model", "m", "--num-gpus", "0", "--send-timeout", "3", "--print-config"]) == 0
+    exported = re.search(rf"export {PROXY_LIMITS_ENV}='([^']+)'", capsys.readouterr().err)
+    assert exported is not None and json.loads(exported.group(1))["send_timeout_s"] == 3
 
     assert main(["serve-ray", "--model", "m", "--replicas", "0"]) == 2
     for refused in (["--target-engine-load", "0.5", "--target-ongoing-requests", "30"], ["--target-engine-load", "1.5"]):

@@ -15,6 +15,7 @@ import ray  # imported here so a missing [ray] extra shows when the CLI register
 from ray import serve
 
 from ..server.cli import add_server_arguments, server_config_from_args
+from ..server.config import ServerConfig
 from .direct import (
     DIRECT_INGRESS_ENV,
     DRAINING_PERIOD_ENV,
@@ -227,6 +228,11 @@ def run_serve_ray(args: argparse.Namespace) -> int:
         if args.direct_ingress:
             print(f"note: direct ingress is not in a Serve config: export {DIRECT_INGRESS_ENV}=1 before `serve run` "
                   "(it starts the Ray instance) or before `ray start` on every node (docs/ray.md)", file=sys.stderr)
+        proxy_limits = proxy_limits_environment(settings.server)
+        if proxy_limits != proxy_limits_environment(ServerConfig()):
+            (name, value), = proxy_limits.items()
+            print(f"note: the proxies' connection limits are not in a Serve config: export {name}='{value}' before "
+                  "`serve run` or before `ray start` on every node (docs/ray.md)", file=sys.stderr)
         print(yaml.safe_dump(serve_config(settings), sort_keys=False), end="")
         return 0
     local = args.address is None
