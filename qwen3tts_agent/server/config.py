@@ -14,14 +14,14 @@ from typing import Any
 MAX_CHUNK_FRAMES = 64
 MAX_SCHEDULE_CHUNKS = 8
 # The engine's scheduling options `serve` and `serve-ray` share, by name (a `RayServeSettings` field; on the
-# command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and the factor to its units
-# (milliseconds to seconds; None: a count, as given). `chunk_schedule` is the one more (`check_chunk_schedule`).
-ENGINE_TUNING: dict[str, tuple[str, float | None]] = {
-    "codec_hold_ms": ("codec_hold_s", 1e-3),
-    "step_period_ms": ("step_period_s", 1e-3),
+# command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and what to divide by for its units
+# (1000: milliseconds to seconds; None: a count, as given). `chunk_schedule` is the one more (`check_chunk_schedule`).
+ENGINE_TUNING: dict[str, tuple[str, int | None]] = {
+    "codec_hold_ms": ("codec_hold_s", 1000),
+    "step_period_ms": ("step_period_s", 1000),
     "first_frame_step_load": ("first_frame_step_load", None),
     "clock_first_frame_load": ("clock_first_frame_load", None),
-    "shed_lateness_ms": ("shed_lateness_s", 1e-3),
+    "shed_lateness_ms": ("shed_lateness_s", 1000),
 }
 
 
@@ -41,13 +41,13 @@ def engine_tuning(values: Mapping[str, Any]) -> dict[str, Any]:
     `chunk_schedule`; None or absent: the engine's default), in the engine's units. A negative value is a
     ValueError that names the option both ways (`codec_hold_ms`, `--codec-hold-ms`)."""
     kwargs: dict[str, Any] = {}
-    for name, (keyword, scale) in ENGINE_TUNING.items():
+    for name, (keyword, divisor) in ENGINE_TUNING.items():
         value = values.get(name)
         if value is None:
             continue
         if value < 0:
             raise ValueError(f"{name} (--{name.replace('_', '-')}) must not be negative, got {value}")
-        kwargs[keyword] = value * scale if scale is not None else value
+        kwargs[keyword] = value / divisor if divisor is not None else value
     if values.get("chunk_schedule") is not None:
         kwargs["chunk_schedule"] = check_chunk_schedule(values["chunk_schedule"])
     return kwargs
