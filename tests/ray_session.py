@@ -1,10 +1,12 @@
-"""A WebSocket session against a Serve deployment of this package, and the replica that took it: shared by the
-Ray test modules (through Serve's proxy, and on the replicas' own ports under direct ingress)."""
+"""A WebSocket session against a Serve deployment of this package, and the replica that took it, and a client that
+sends half a request head: shared by the Ray test modules (through Serve's proxy, and on the replicas' own ports
+under direct ingress)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from typing import Any
 
@@ -51,3 +53,15 @@ class Session:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+def answer_to_half_a_head(host: str, port: int, timeout: float) -> tuple[bytes, float]:
+    """Send half a request head and fall silent: what the server answered before it closed, and after how many
+    seconds (at most `timeout`)."""
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        sock.settimeout(timeout)
+        started, answer = time.monotonic(), b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        return answer, time.monotonic() - started

@@ -51,7 +51,7 @@ from qwen3tts_agent.ray.router import LoadAwareRouter, ReplicaLoad, rank_by_load
 from qwen3tts_agent.ray.settings import RayServeSettings
 from qwen3tts_agent.ray.transport import PROXY_LIMITS_ENV, proxy_limits_environment
 from qwen3tts_agent.server.config import ServerConfig
-from tests.ray_session import Session
+from tests.ray_session import Session, answer_to_half_a_head
 
 APP = "qwen3tts-test"
 API_KEY = "ray-test-key"
@@ -311,15 +311,9 @@ def test_without_direct_ingress_the_replicas_have_no_ports_of_their_own(serve_ur
 def test_the_proxy_closes_a_request_head_that_never_ends(serve_url: str) -> None:
     """Stock uvicorn, which Serve's proxy runs, keeps a connection that sends half a request head for good; the
     proxy answers 408 and closes after its `http_read_timeout_s`, as `serve` does."""
-    host, port = serve_url.split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        sock.settimeout(PROXY_READ_TIMEOUT_S + 10)
-        started, answer = time.monotonic(), b""
-        while chunk := sock.recv(4096):
-            answer += chunk
+    answer, seconds = answer_to_half_a_head(*tuple_address(serve_url), PROXY_READ_TIMEOUT_S + 10)
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:200]
-    assert time.monotonic() - started < PROXY_READ_TIMEOUT_S + 3
+    assert seconds < PROXY_READ_TIMEOUT_S + 3
 
 
 async def test_a_client_that_stops_reading_through_the_proxy_frees_its_replicas_slot(serve_url: str) -> None:
