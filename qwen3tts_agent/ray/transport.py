@@ -28,8 +28,10 @@ A replica calls it in its constructor with its own limits. A proxy's process kno
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
 import os
 from typing import Any, ClassVar
 
@@ -41,10 +43,11 @@ from ..server.connections import (
     BoundedHttpProtocol,
     BoundedWebSocketProtocol,
     ConnectionLimits,
-    UnreadDeadline,
     connection_limits,
     websocket_frame_limit,
 )
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"  # the `http` and `ws` protocols of Serve's uvicorn servers (it passes neither)
 # The variable that carries `serve-ray`'s connection limits to the proxies its Ray cluster starts (JSON of the
@@ -91,21 +94,30 @@ class ProxyWebSocketProtocol(LimitedWebSocketProtocol):
     session behind it, holding its engine slot: here a connection whose writes stay paused (its buffers full)
     for `send_timeout_s` is aborted, which the proxy passes on to the replica as the client's disconnect."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._unread = UnreadDeadline(self.limits.send_timeout_s, "a WebSocket")
+    _unread_deadline: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._unread.start(self.loop, self.transport)
+        if self._unread_deadline is None:
+            self._unread_deadline = self.loop.call_later(self.limits.send_timeout_s, self._client_stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._unread.stop()
+        self._stop_unread_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._unread.stop()
+        self._stop_unread_deadline()
         super().connection_lost(exc)
+
+    def _stop_unread_deadline(self) -> None:
+        if self._unread_deadline is not None:
+            self._unread_deadline.cancel()
+            self._unread_deadline = None
+
+    def _client_stalled(self) -> None:
+        self._unread_deadline = None
+        logger.warning("closing a WebSocket whose client read nothing for %gs", self.limits.send_timeout_s)
+        self.transport.abort()
 
 
 def bound_connections(server: ServerConfig) -> None:

@@ -53,30 +53,6 @@ class ConnectionLimits:
     read_timeout_s: float
 
 
-class UnreadDeadline:
-    """Aborts a connection whose writes stay paused (its buffers full: the client reads nothing) for `seconds`.
-    Its protocol starts it from `pause_writing` and stops it from `resume_writing` and when the connection goes."""
-
-    def __init__(self, seconds: float, connection: str) -> None:
-        """`connection`: what the warning names ("an HTTP connection", ...)."""
-        self.seconds = seconds
-        self.connection = connection
-        self._timer: asyncio.TimerHandle | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport) -> None:
-        if self._timer is None:
-            self._timer = loop.call_later(self.seconds, self._expired, transport)
-
-    def stop(self) -> None:
-        _cancel(self._timer)
-        self._timer = None
-
-    def _expired(self, transport: asyncio.Transport) -> None:
-        self._timer = None
-        logger.warning("closing %s whose client read nothing for %gs", self.connection, self.seconds)
-        transport.abort()
-
-
 class BoundedHttpProtocol(HttpToolsProtocol):
     """httptools HTTP/1.1 with a deadline for each request head and for unread responses."""
 
@@ -84,7 +60,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._head_deadline: asyncio.TimerHandle | None = None
-        self._unread = UnreadDeadline(limits.send_timeout_s, "an HTTP connection")
+        self._unread_deadline: asyncio.TimerHandle | None = None
         self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -117,11 +93,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._unread.start(self.loop, self.transport)
+        if self._unread_deadline is None:
+            self._unread_deadline = self.loop.call_later(self.limits.send_timeout_s, self._client_stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._unread.stop()
+        _cancel(self._unread_deadline)
+        self._unread_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timers()
@@ -151,11 +129,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.close()  # the answer went out already; the rest of its body is not worth waiting for
 
+    def _client_stalled(self) -> None:
+        self._unread_deadline = None
+        logger.warning("closing an HTTP connection whose client read nothing for %gs", self.limits.send_timeout_s)
+        self.transport.abort()
+
     def _stop_timers(self) -> None:
-        for timer in (self._head_deadline, self._body_deadline):
+        for timer in (self._head_deadline, self._unread_deadline, self._body_deadline):
             _cancel(timer)
-        self._head_deadline = self._body_deadline = None
-        self._unread.stop()
+        self._head_deadline = self._unread_deadline = self._body_deadline = None
 
 
 class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
