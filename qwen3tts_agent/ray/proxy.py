@@ -11,6 +11,10 @@ never pass through our app, and this middleware gives them the shapes the server
   limit and the proxy's queue full, no application yet) are plain text; here they become the
   OpenAI-shaped JSON errors of `server/protocol.py` (`engine_error`, `busy` with Retry-After, ...).
 
+And one relay it keeps going: a WebSocket client that leaves first (it closes as its `done` arrives, racing
+the replica's own close) makes the proxy's next send fail, and Serve's proxy then abandoned the request and
+logged a normal session as failed; the middleware drops what can no longer be delivered instead.
+
 Serve loads proxy middleware from `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read by each proxy at
 start: `serve-ray` sets it for the cluster it starts; on a cluster started with `ray start`, export
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=qwen3tts_agent.ray.proxy:proxy_middlewares` before it on
@@ -24,6 +28,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.utils import ClientDisconnected
 
 from ..server.protocol import CLOSE_INTERNAL, ApiError
 from .transport import bound_proxy_connections
@@ -69,7 +74,7 @@ class ServeErrorShapes:
             await self.app(scope, receive, send)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = {"accepted": False, "ended": False}
+        state = {"accepted": False, "ended": False, "client_gone": False}
 
         async def tracked_receive() -> Message:
             message = await receive()
@@ -83,7 +88,18 @@ class ServeErrorShapes:
                 state["accepted"] = True
             elif kind in ("websocket.close", "websocket.http.response.start"):
                 state["ended"] = True
-            await send(message)
+            if state["client_gone"]:
+                return
+            try:
+                await send(message)
+            except ClientDisconnected:
+                # The client left first: it closed as its `done` arrived, racing the replica's own close, or
+                # its connection dropped. Nothing is left to deliver, so the message is dropped, as are the
+                # replica's last ones: raised here, Serve's proxy would stop relaying mid-request and log
+                # the session as failed ("Request failed due to unexpected error", once for about half the
+                # sessions of a load that closes on `done`). The replica learns of the departure from the
+                # disconnect on its receive side and ends the session itself.
+                state["client_gone"] = state["ended"] = True
 
         try:
             await self.app(scope, tracked_receive, tracked_send)
