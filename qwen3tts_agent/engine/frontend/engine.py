@@ -359,8 +359,14 @@ class Engine(EngineFrontend):
             raise EngineClosedError("engine is closed")
         if not self._accepting:
             raise EngineNotReadyError("the engine is restarting after a failure; retry shortly")
-        if self.shed_when_behind and self.core.scheduler.overloaded(time.perf_counter()):
+        if self.refusing_new_streams():
             raise EngineOverloadedError("busy: the engine is running behind real time; retry shortly")
+
+    def refusing_new_streams(self) -> bool:
+        """Whether new streams are refused now because the engine runs behind (`shed_when_behind`,
+        `Scheduler.overloaded`); cheap enough to ask often (the core process's server watches it for changes)."""
+        core = self.core
+        return self.shed_when_behind and core is not None and core.scheduler.overloaded(time.perf_counter())
 
     @property
     def healthy(self) -> bool:
@@ -431,7 +437,7 @@ class Engine(EngineFrontend):
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
             late_by_index=dict(scheduler.load.stats.late_by_index),
-            overloaded=self.shed_when_behind and scheduler.overloaded(time.perf_counter()),
+            overloaded=self.refusing_new_streams(),
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

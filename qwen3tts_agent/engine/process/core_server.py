@@ -2,7 +2,8 @@
 
 An `Engine` runs as usual; a `CoreServer` bridges a ROUTER socket to its core: requests from clients go to
 the core under ids prefixed by the client, and the core's outputs for those ids go back to that client. It
-also publishes the engine's stats every 250 ms (the clients' heartbeat), encodes reference voices for
+also publishes the engine's stats every 250 ms (the clients' heartbeat), and at once when the engine starts or
+stops refusing new streams (the clients refuse from the last stats they got), encodes reference voices for
 clients, and aborts the requests of a client that went silent. The supervisor's side is `engine/process/supervisor.py`.
 """
 
@@ -35,6 +36,11 @@ from .launch import GIL_SWITCH_INTERVAL_S, CoreLaunch
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
+# Between those, the I/O thread looks this often for a change of the engine's refusal of new streams and
+# publishes the stats at once when it changed: the clients (the API workers) refuse from the stats they have,
+# and refusing or admitting up to a whole interval after the engine changed its mind lets a burst of arrivals
+# in after the engine began to refuse, or refuses them for nothing after it stopped.
+REFUSAL_CHECK_S = 0.02
 # A client says hello every HELLO_INTERVAL_S until welcomed, and ZeroMQ queues those hellos while the core
 # is still starting: they all arrive once it binds. One welcome (the tokenizer's megabytes) per client per
 # this interval answers the burst; a client that lost the core and says hello again later is welcomed again.
@@ -89,6 +95,7 @@ class CoreServer:
         self._owners: dict[str, bytes] = {}  # core request id -> client identity
         self._clients: dict[bytes, float] = {}  # identity -> last heard (monotonic)
         self._welcomed: dict[bytes, float] = {}  # identity -> last welcomed (monotonic; the I/O thread's)
+        self._published_refusing = False  # `overloaded` in the stats last published (the I/O thread's)
         self._welcome = pickle.dumps(self._handshake())  # the same for every client of this core
         self._lock = threading.Lock()
         self._voices = ThreadPoolExecutor(1, thread_name_prefix="qwen3tts-voices")
@@ -141,9 +148,9 @@ class CoreServer:
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         self._ready.set()
-        next_stats = time.monotonic()
+        next_stats = next_check = time.monotonic()
         while not self._stopping.is_set():
-            events = dict(poller.poll(timeout=int(STATS_INTERVAL_S * 1000)))
+            events = dict(poller.poll(timeout=int(min(STATS_INTERVAL_S, REFUSAL_CHECK_S) * 1000)))
             if pull in events:
                 while True:
                     try:
@@ -161,7 +168,11 @@ class CoreServer:
                     except Exception:  # noqa: BLE001 - one client's malformed message must not stop the bridge
                         logger.exception("bad message from an engine client")
             now = time.monotonic()
-            if now >= next_stats:
+            changed = False
+            if now >= next_check:
+                next_check = now + REFUSAL_CHECK_S
+                changed = self.engine.refusing_new_streams() != self._published_refusing
+            if now >= next_stats or changed:
                 next_stats = now + STATS_INTERVAL_S
                 self._publish_stats(router, now)
         router.close()
@@ -207,6 +218,7 @@ class CoreServer:
     def _publish_stats(self, router: zmq.Socket, now: float) -> None:
         stats = self.engine.stats()
         stats.restarts += self.process_restarts
+        self._published_refusing = stats.overloaded
         encoded = ipc.encode_stats(stats)
         with self._lock:
             clients = list(self._clients.items())

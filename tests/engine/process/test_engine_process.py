@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,15 +14,16 @@ import torch
 import zmq
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
-from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, ipc
-from qwen3tts_agent.engine.process.core_server import cpu_pool_default
+from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, core_server, ipc
+from qwen3tts_agent.engine.process.core_server import CoreServer, HostedEngine, cpu_pool_default
 from qwen3tts_agent.errors import (
     EngineDeadError,
     EngineNotReadyError,
+    EngineOverloadedError,
     InvalidReferenceAudioError,
     InvalidTextError,
 )
-from tests.engine_helpers import TEXT, engine_for, reference_audio
+from tests.engine_helpers import TEXT, engine_for, official_model, reference_audio
 
 GREEDY = SamplingParams.greedy(max_frames=8)
 
@@ -219,3 +222,51 @@ def test_the_core_process_runs_the_cpu_graphs_on_its_pool() -> None:
     finally:
         local.close()
         process.stop()
+
+
+def _within(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Wait for `condition`; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The API workers refuse new streams (`busy`) from the last stats their core published. The stats come every
+    `STATS_INTERVAL_S` (here 3 s, 250 ms as shipped) and, when the engine starts or stops refusing, at once: a
+    client follows its core within a fraction of a second both ways, not up to a whole interval later. The
+    engine is the real one in this process, refusing while a request waits for a slot (both slots held by
+    streams waiting for their callers' text), behind a real `CoreServer` and `EngineClient`."""
+    monkeypatch.setattr(core_server, "STATS_INTERVAL_S", 3.0)
+    engine = HostedEngine(official_model("synthetic:tiny"), backend="torch", max_streams=2, shed_when_behind=True)
+    server = CoreServer(engine, f"ipc://{tmp_path}/core.sock")
+    server.start()
+    client = EngineClient.connect(server.address, timeout=60, dead_after_s=30.0)
+    holders: list[Any] = []
+    try:
+        voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))
+        short = SamplingParams.greedy(max_frames=4, ignore_eos=True)
+        holders = [client.open_stream(voice=voice, sampling=SamplingParams.greedy(max_frames=200)) for _ in range(2)]
+        for holder in holders:
+            holder.push_text("Hello there, ")  # a few frames, then a wait for more text, in its slot
+        _within(lambda: len(engine.core.scheduler.running) == 2, 60, "both slots held")
+        queued = client.open_stream(TEXT, voice=voice, sampling=short)
+        _within(engine.refusing_new_streams, 30, "the core refusing while a request waits for a slot")
+        assert _within(lambda: client.stats().overloaded, 10, "the client refusing too") < 1.0
+        with pytest.raises(EngineOverloadedError):
+            client.open_stream(TEXT, voice=voice, sampling=short)
+
+        holders[0].cancel()  # the queued request takes the freed slot: the core admits again
+        _within(lambda: not engine.refusing_new_streams(), 30, "the core admitting again")
+        assert _within(lambda: not client.stats().overloaded, 10, "the client admitting too") < 1.0
+        assert sum(chunk.frame_end - chunk.frame_start for chunk in queued.chunks(timeout=60)) == 4
+        pcm = [chunk.pcm for chunk in client.open_stream(TEXT, voice=voice, sampling=short).chunks(timeout=60)]
+        assert sum(len(p) for p in pcm) == 4 * 1920
+    finally:
+        for holder in holders:
+            holder.cancel()
+        client.close()
+        server.stop()
+        engine.close()
