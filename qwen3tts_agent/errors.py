@@ -36,7 +36,14 @@ class ModelLoadError(Qwen3TTSAgentError):
 
 
 class EngineOverloadedError(Qwen3TTSAgentError):
-    """Admission control refused the request: too many streams are active or queued."""
+    """Admission control refused the request: too many streams are active or queued, or the engine runs behind.
+
+    `reason` names the rule that refused (`REFUSAL_REASONS` in `engine/scheduler/scheduler.py` for an engine
+    behind real time, "streams" for its stream limit), so that operators can count refusals by cause."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class EngineClosedError(Qwen3TTSAgentError):

@@ -102,6 +102,8 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         # ... and after it: every stream of the window ended at its client and every live gauge came back to 0
         assert run["drained_s"] is not None and run["completed"] + sum(run["errors"].values()) == run["requests"]
         assert all(run["server_gauges_after"][name] == 0 for name in LIVE_GAUGES), run["server_gauges_after"]
+        # the server counted every `busy` its clients got, by what refused it (warm-up and drain too)
+        assert sum(run["engine"]["busy_by_reason"].values()) >= run["errors"].get("busy", 0)
     passing = [p for p in probes if p["passed"]]
     if passing:
         best = max(passing, key=lambda p: p["rate_per_s"])

@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from qwen3tts_agent import Engine
 from qwen3tts_agent.engine.frontend import engine as engine_module
+from qwen3tts_agent.engine.scheduler.scheduler import REFUSAL_REASONS
 from qwen3tts_agent.server import protocol
 from qwen3tts_agent.server.connections import BoundedWebSocketProtocol, uvicorn_config
 from qwen3tts_agent.server.protocol import ERROR_STATUS
@@ -400,6 +401,12 @@ def test_every_error_and_close_code_is_in_the_table_and_documented() -> None:
     for name in dir(protocol):
         if name.startswith("CLOSE_"):
             assert f"`{getattr(protocol, name)}`" in docs, f"{name} is not in docs/server.md"
+    # every reason a `busy` can carry has its label (the server's own limits, the engine's refusals)
+    engine_sources = "".join(p.read_text() for p in (ROOT / "qwen3tts_agent" / "engine").rglob("*.py"))
+    reasons = set(re.findall(r'reason="([a-z_]+)"', sources)) | set(REFUSAL_REASONS)
+    reasons |= set(re.findall(r'reason="([a-z_]+)"', engine_sources))
+    assert reasons | {"engine"} == set(protocol.BUSY_REASONS), reasons ^ set(protocol.BUSY_REASONS)
+    assert all(f"`{reason}`" in docs for reason in protocol.BUSY_REASONS)
 
 
 def test_serve_without_the_server_extra_prints_the_install_hint() -> None:

@@ -179,6 +179,7 @@ async def test_session_limit_refuses_with_503_until_one_leaves(server_engine: En
             response = refused.value.response
             assert response.status_code == 503 and response.headers["Retry-After"] == "1"
             assert json.loads(response.body)["error"]["code"] == "busy"
+            assert metric(await _metrics(srv), "qwen3tts_busy_total", reason="sessions") == 1
             await first.close()
             await async_wait_for(lambda: srv.state.sessions == 1, 2, "session slot freed")
             async with ws_connect(srv) as third:
@@ -231,7 +232,10 @@ async def test_overload_queues_boundedly_then_answers_busy(server_engine: Engine
             await send_json(b, {"type": "text", "text": "My turn now."})
             assert (await recv_json(b))["type"] == "audio"
             await send_json(b, {"type": "cancel"})
-        assert metric(await _metrics(srv), "qwen3tts_errors_total", code="busy") == 3
+        text = await _metrics(srv)
+        assert metric(text, "qwen3tts_errors_total", code="busy") == 3
+        assert metric(text, "qwen3tts_busy_total", reason="queue_full") == 2  # c's utterance and the speech
+        assert metric(text, "qwen3tts_busy_total", reason="queue_timeout") == 1  # b's
         await async_wait_for(lambda: server_engine.stats().active_streams == 0, 3, "engine idle")
 
 
@@ -247,6 +251,7 @@ async def test_pending_utterances_per_session_are_bounded(server_engine: Engine,
             while (msg := await recv_json(ws))["type"] == "audio":
                 await ws.recv()
             assert msg["type"] == "error" and msg["code"] == "busy" and "pending" in msg["message"]
+            assert metric(await _metrics(srv), "qwen3tts_busy_total", reason="session_pending") == 1
             await send_json(ws, {"type": "cancel"})
             reasons = []
             while len(reasons) < 2:

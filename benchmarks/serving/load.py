@@ -75,7 +75,7 @@ FRAME_S = 0.08  # audio per codec frame
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
 BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
 # metric families kept per label set by `scrape` (the others are summed over their labels)
-LABELLED_FAMILIES = ("qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index")
+LABELLED_FAMILIES = ("qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index", "qwen3tts_busy_total")
 # streams open or waiting for a slot, in the API workers and in the engine: all 0 once the server is idle
 LIVE_GAUGES = ("qwen3tts_active_streams", "qwen3tts_queued_requests", "qwen3tts_engine_active_streams",
                "qwen3tts_engine_queued_streams")
@@ -446,7 +446,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
-    late, by their place in their stream (the second chunk, the third, the fourth, later ones)."""
+    late, by their place in their stream (the second chunk, the third, the fourth, later ones); and the `busy`
+    refusals by what refused them (the server's limits, the engine's rules: `protocol.BUSY_REASONS`)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
@@ -461,6 +462,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
         "late_chunks_by_index": {name.split('index="')[1].rstrip('"}'): value for name, value in metrics.items()
                                  if name.startswith("qwen3tts_engine_late_chunks_by_index{")},
+        "busy_by_reason": {name.split('reason="')[1].rstrip('"}'): value for name, value in metrics.items()
+                           if name.startswith("qwen3tts_busy_total{") and value},
     }
 
 

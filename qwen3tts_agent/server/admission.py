@@ -35,6 +35,7 @@ class Admission:
             raise ApiError(
                 "busy",
                 f"server busy: {self.capacity} streams active and {self.max_queued} waiting; retry shortly",
+                reason="queue_full",
             )
         started = time.perf_counter()
         try:
@@ -43,7 +44,8 @@ class Admission:
             await bounded(self._slots.acquire(), self.timeout_s, discard=lambda _: self._slots.release())
         except TimeoutError:
             raise ApiError(
-                "busy", f"server busy: no synthesis slot became free within {self.timeout_s:g}s; retry shortly"
+                "busy", f"server busy: no synthesis slot became free within {self.timeout_s:g}s; retry shortly",
+                reason="queue_timeout",
             ) from None
         finally:
             self._queue.remove()

@@ -317,7 +317,7 @@ def create_app(
             await authorized(ws)
             await ready()
             if not state.open_sessions.try_add(config.max_sessions):  # server-wide: every API worker's sessions
-                raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly")
+                raise ApiError("busy", f"too many sessions ({config.max_sessions}); retry shortly", reason="sessions")
         except ApiError as err:
             state.count_error(err)
             await ws.send_denial_response(error_response(err))

@@ -122,6 +122,9 @@ class ServerMetrics:
             "qwen3tts_cancels", "Utterances stopped early (client = cancel message, disconnect)", ["reason"], registry=r
         )
         self.errors = Counter("qwen3tts_errors", "Errors returned to clients", ["code"], registry=r)
+        self.busy = Counter(
+            "qwen3tts_busy", "The errors `busy`, by what refused (protocol.BUSY_REASONS)", ["reason"], registry=r
+        )
         self.late_chunks = Counter(
             "qwen3tts_late_chunks", "Audio chunks sent after a client playing from the first chunk needed them",
             ["endpoint"], registry=r,

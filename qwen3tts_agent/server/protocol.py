@@ -55,6 +55,15 @@ ERROR_STATUS: dict[str, int] = {
     "not_ready": 503,
 }
 
+# What refused a `busy` (`ApiError.reason`, the label of the `qwen3tts_busy` metric): the server's own limits
+# (its admission queue full, a wait for a slot past --queue-timeout, --max-sessions, a session's pending
+# utterances), the engine's stream limit, and the engine running behind real time, by its rule
+# (`engine/scheduler/scheduler.py`, REFUSAL_REASONS; "engine" where an engine gave none).
+BUSY_REASONS = (
+    "queue_full", "queue_timeout", "sessions", "session_pending", "streams", "slow_steps", "late_chunks", "slot_wait",
+    "engine",
+)
+
 # WebSocket close codes the server uses (4000-4999 is the application's range; 4xxx mirrors HTTP 4xx).
 CLOSE_NORMAL = 1000  # after the client's `close`, once everything queued was spoken
 CLOSE_TOO_LARGE = 1009  # a message over max_message_bytes
@@ -77,11 +86,13 @@ VOICE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 class ApiError(Exception):
     """A failure with a stable `code` (see ERROR_STATUS) and a message meant for the client."""
 
-    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None, reason: str | None = None) -> None:
+        """`reason`: for `busy`, the limit that refused (`BUSY_REASONS`), counted in the server's metrics."""
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.reason = reason
 
     @property
     def status(self) -> int:
@@ -116,7 +127,8 @@ def from_engine_error(exc: Exception) -> ApiError:
     """Map a typed engine error to its protocol code; anything untyped is an engine fault (500)."""
     for kind, code in _ENGINE_ERRORS:
         if isinstance(exc, kind):
-            return ApiError(code, str(exc) or code)
+            reason = (exc.reason or "engine") if isinstance(exc, EngineOverloadedError) else None
+            return ApiError(code, str(exc) or code, reason=reason)
     return ApiError("engine_error", f"synthesis failed: {type(exc).__name__}: {exc}")
 
 

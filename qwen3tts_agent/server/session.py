@@ -214,7 +214,8 @@ class StreamSession:
         if utt is None:
             if len(self._queue) >= self._config.max_pending_utterances:
                 raise ApiError(
-                    "busy", f"{len(self._queue)} utterances already pending in this session; wait for their audio"
+                    "busy", f"{len(self._queue)} utterances already pending in this session; wait for their audio",
+                    reason="session_pending",
                 )
             utt = _Utterance(uid=self._next_uid)
             self._next_uid += 1

@@ -317,3 +317,5 @@ class ServerState:
 
     def count_error(self, err: ApiError) -> None:
         self.metrics.errors.labels(err.code).inc()
+        if err.code == "busy":
+            self.metrics.busy.labels(err.reason or "engine").inc()

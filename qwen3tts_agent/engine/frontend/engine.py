@@ -359,14 +359,22 @@ class Engine(EngineFrontend):
             raise EngineClosedError("engine is closed")
         if not self._accepting:
             raise EngineNotReadyError("the engine is restarting after a failure; retry shortly")
-        if self.refusing_new_streams():
-            raise EngineOverloadedError("busy: the engine is running behind real time; retry shortly")
+        reason = self.refusal_reason()
+        if reason is not None:
+            raise EngineOverloadedError(f"busy: the engine is running behind real time ({reason}); retry shortly", reason)
+
+    def refusal_reason(self) -> str | None:
+        """Why new streams are refused now because the engine runs behind (`shed_when_behind`,
+        `Scheduler.refusal_reason`), or None; cheap enough to ask often (the core process's server watches
+        it for changes)."""
+        core = self.core
+        if not self.shed_when_behind or core is None:
+            return None
+        return core.scheduler.refusal_reason(time.perf_counter())
 
     def refusing_new_streams(self) -> bool:
-        """Whether new streams are refused now because the engine runs behind (`shed_when_behind`,
-        `Scheduler.overloaded`); cheap enough to ask often (the core process's server watches it for changes)."""
-        core = self.core
-        return self.shed_when_behind and core is not None and core.scheduler.overloaded(time.perf_counter())
+        """Whether new streams are refused now because the engine runs behind (`refusal_reason`)."""
+        return self.refusal_reason() is not None
 
     @property
     def healthy(self) -> bool:
@@ -428,6 +436,7 @@ class Engine(EngineFrontend):
                                restarts=self._restarts)
         scheduler = core.scheduler
         running = len(scheduler.running)
+        refusal = self.refusal_reason()
         base, now = self._stats_base, core.stats
         return EngineStats(
             active_streams=running,
@@ -437,7 +446,8 @@ class Engine(EngineFrontend):
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
             late_by_index=dict(scheduler.load.stats.late_by_index),
-            overloaded=self.refusing_new_streams(),
+            overloaded=refusal is not None,
+            refusal_reason=refusal,
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

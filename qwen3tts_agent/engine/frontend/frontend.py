@@ -117,6 +117,7 @@ class EngineStats:
     # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"
     late_by_index: dict[str, int] = field(default_factory=dict)
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
+    refusal_reason: str | None = None  # ... by which rule: "slow_steps", "late_chunks" or "slot_wait"
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
     device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run
@@ -285,7 +286,8 @@ class EngineFrontend:
                 raise EngineNotReadyError("the engine is not running (starting or restarting); retry shortly")
             if len(self._streams) >= self.max_streams + self.max_queue:
                 raise EngineOverloadedError(
-                    f"busy: {len(self._streams)} streams open (limit {self.max_streams} running + {self.max_queue} queued)"
+                    f"busy: {len(self._streams)} streams open (limit {self.max_streams} running + {self.max_queue} queued)",
+                    reason="streams",
                 )
             self._streams[request_id] = stream
         self._send(AddRequest(request_id, spec, sampling, schedule, stream.submitted))

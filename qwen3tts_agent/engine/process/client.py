@@ -214,7 +214,8 @@ class EngineClient(EngineFrontend):
         if not self._accepting:
             raise EngineNotReadyError("the engine core is not reachable (starting or restarting); retry shortly")
         if self._stats is not None and self._stats.overloaded:
-            raise EngineOverloadedError("busy: the engine is running behind real time; retry shortly")
+            reason = self._stats.refusal_reason
+            raise EngineOverloadedError(f"busy: the engine is running behind real time ({reason}); retry shortly", reason)
 
     def _on_message(self, frames: list[bytes]) -> None:
         kind = frames[0]

@@ -36,8 +36,8 @@ from .launch import GIL_SWITCH_INTERVAL_S, CoreLaunch
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
-# Between those, the I/O thread looks this often for a change of the engine's refusal of new streams and
-# publishes the stats at once when it changed: the clients (the API workers) refuse from the stats they have,
+# Between those, the I/O thread looks this often for a change of the engine's refusal of new streams (whether
+# it refuses, and why) and publishes the stats at once when it changed: the clients (the API workers) refuse from the stats they have,
 # and refusing or admitting up to a whole interval after the engine changed its mind lets a burst of arrivals
 # in after the engine began to refuse, or refuses them for nothing after it stopped.
 REFUSAL_CHECK_S = 0.02
@@ -95,7 +95,7 @@ class CoreServer:
         self._owners: dict[str, bytes] = {}  # core request id -> client identity
         self._clients: dict[bytes, float] = {}  # identity -> last heard (monotonic)
         self._welcomed: dict[bytes, float] = {}  # identity -> last welcomed (monotonic; the I/O thread's)
-        self._published_refusing = False  # `overloaded` in the stats last published (the I/O thread's)
+        self._published_refusal: str | None = None  # `refusal_reason` in the stats last published (the I/O thread's)
         self._welcome = pickle.dumps(self._handshake())  # the same for every client of this core
         self._lock = threading.Lock()
         self._voices = ThreadPoolExecutor(1, thread_name_prefix="qwen3tts-voices")
@@ -171,7 +171,7 @@ class CoreServer:
             changed = False
             if now >= next_check:
                 next_check = now + REFUSAL_CHECK_S
-                changed = self.engine.refusing_new_streams() != self._published_refusing
+                changed = self.engine.refusal_reason() != self._published_refusal
             if now >= next_stats or changed:
                 next_stats = now + STATS_INTERVAL_S
                 self._publish_stats(router, now)
@@ -218,7 +218,7 @@ class CoreServer:
     def _publish_stats(self, router: zmq.Socket, now: float) -> None:
         stats = self.engine.stats()
         stats.restarts += self.process_restarts
-        self._published_refusing = stats.overloaded
+        self._published_refusal = stats.refusal_reason
         encoded = ipc.encode_stats(stats)
         with self._lock:
             clients = list(self._clients.items())

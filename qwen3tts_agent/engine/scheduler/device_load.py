@@ -39,6 +39,9 @@ LATE_WINDOW_S = 1.0
 LATE_CHUNKS_TO_SHED = 3
 # For this long after a chunk left late, new streams take no first-frame slot.
 FIRST_FRAME_PAUSE_S = 2.0
+# The evidence `overload_reason` names (the `reason` of the refusals, counted in the server's metrics).
+SLOW_STEPS = "slow_steps"
+LATE_CHUNKS = "late_chunks"
 
 
 # Late chunks are also counted by their place in their stream (`LoadStats.late_by_index`): with the default chunk
@@ -111,13 +114,19 @@ class DeviceLoad:
                     self._late_at.append(now)
 
     def overloaded(self, now: float) -> bool:
-        """Whether the recent evidence says the device runs behind its streams: the steps of the last
-        `STEP_WINDOW_S` were slow, or several chunks left late within the last `LATE_WINDOW_S`."""
-        slow = self.step_seconds(now) > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
+        """Whether the recent evidence says the device runs behind its streams (`overload_reason`)."""
+        return self.overload_reason(now) is not None
+
+    def overload_reason(self, now: float) -> str | None:
+        """What says the device runs behind its streams: `SLOW_STEPS` (the steps of the last `STEP_WINDOW_S`
+        were slow) or `LATE_CHUNKS` (several chunks left late within the last `LATE_WINDOW_S`); None if
+        neither does."""
+        if self.step_seconds(now) > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME:
+            return SLOW_STEPS
         with self._lock:
             while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
                 self._late_at.popleft()
-            return slow or len(self._late_at) >= LATE_CHUNKS_TO_SHED
+            return LATE_CHUNKS if len(self._late_at) >= LATE_CHUNKS_TO_SHED else None
 
     def first_frames_paused(self, now: float) -> bool:
         """Whether new streams skip the first-frame slots: a chunk left late (past the tolerance) less than

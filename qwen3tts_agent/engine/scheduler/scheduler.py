@@ -56,7 +56,7 @@ import numpy as np
 
 from ..types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 from . import step_timing
-from .device_load import DeviceLoad
+from .device_load import LATE_CHUNKS, SLOW_STEPS, DeviceLoad
 from .requests import ChunkPlan, PrefillPlan, RequestState, cut_chunk, urgency
 from .slots import SlotPool
 from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
@@ -65,6 +65,9 @@ from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
 # leave them slower than new ones come, so a new stream's first audio would be that much late at least. (Lateness
 # of chunks says nothing here: a queued request has no deadline yet; docs/performance.md has the run.)
 SLOT_WAIT_TO_SHED_S = 0.1
+SLOT_WAIT = "slot_wait"
+# Why an engine refuses new streams (`Scheduler.refusal_reason`): its device's evidence, or the wait for a slot.
+REFUSAL_REASONS = (SLOW_STEPS, LATE_CHUNKS, SLOT_WAIT)
 
 
 class SlotMove(NamedTuple):
@@ -522,7 +525,16 @@ class Scheduler:
         `SLOT_WAIT_TO_SHED_S` for its slot. An engine with nothing live admits whatever the device's evidence
         says: it was about load that left with its streams, and a new stream would have the device to itself.
         (Read on callers' threads: `requests` is only tested for emptiness, `waiting` read from a copy.)"""
-        return bool(self.requests) and (self.load.overloaded(now) or self.slot_wait(now) >= SLOT_WAIT_TO_SHED_S)
+        return self.refusal_reason(now) is not None
+
+    def refusal_reason(self, now: float) -> str | None:
+        """Which rule of `overloaded` refuses new streams now (`REFUSAL_REASONS`), or None."""
+        if not self.requests:
+            return None
+        reason = self.load.overload_reason(now)
+        if reason is None and self.slot_wait(now) >= SLOT_WAIT_TO_SHED_S:
+            reason = SLOT_WAIT
+        return reason
 
     def slot_wait(self, now: float) -> float:
         """How long the oldest request still waiting for its first slot has waited (0.0: none waits). A request

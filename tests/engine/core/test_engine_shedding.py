@@ -88,8 +88,9 @@ def test_a_slow_step_refuses_new_streams_beside_a_live_one_until_it_is_a_window_
     assert not waiting.done  # live, waiting for text
     last_step = step_ends()[-1]
     assert time.perf_counter() - step_ends()[1] < WINDOW_S
-    with pytest.raises(EngineOverloadedError):
+    with pytest.raises(EngineOverloadedError) as refused:
         engine.open_stream(TEXT, voice=voice, sampling=_sampling(4))
+    assert refused.value.reason == "slow_steps" and engine.stats().refusal_reason == "slow_steps"
     # no step runs from here on until a new stream is admitted: the evidence fades with time alone
     time.sleep(max(0.0, last_step + max(WINDOW_S, device_load.LATE_WINDOW_S) + 0.05 - time.perf_counter()))
     assert len(step_ends()) == seen
@@ -116,13 +117,15 @@ def test_a_request_kept_waiting_for_a_slot_refuses_new_streams_until_it_has_one(
         assert time.monotonic() < deadline, "the third request never waited for a slot"
         time.sleep(0.01)
     assert len(scheduler.running) == 2 and not queued.done
-    with pytest.raises(EngineOverloadedError):
+    with pytest.raises(EngineOverloadedError) as refused:
         engine.open_stream(TEXT, voice=voice, sampling=_sampling(4))
+    assert refused.value.reason == "slot_wait" and engine.stats().refusal_reason == "slot_wait"
     assert engine.stats().overloaded and scheduler.load.stats.late_chunks == 0
 
     holders[0].cancel()
     assert sum(chunk.frame_end - chunk.frame_start for chunk in queued.chunks(timeout=60)) == 4
     assert scheduler.slot_wait(time.perf_counter()) == 0.0 and not engine.stats().overloaded
+    assert engine.stats().refusal_reason is None
     pcm, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(4))
     assert result.finish_reason == "max_frames" and len(pcm) == 4 * 1920
     holders[1].cancel()

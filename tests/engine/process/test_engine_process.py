@@ -255,8 +255,9 @@ def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytes
         queued = client.open_stream(TEXT, voice=voice, sampling=short)
         _within(engine.refusing_new_streams, 30, "the core refusing while a request waits for a slot")
         assert _within(lambda: client.stats().overloaded, 10, "the client refusing too") < 1.0
-        with pytest.raises(EngineOverloadedError):
+        with pytest.raises(EngineOverloadedError) as refused:
             client.open_stream(TEXT, voice=voice, sampling=short)
+        assert refused.value.reason == "slot_wait"  # the core's rule, in its stats
 
         holders[0].cancel()  # the queued request takes the freed slot: the core admits again
         _within(lambda: not engine.refusing_new_streams(), 30, "the core admitting again")
