@@ -372,10 +372,6 @@ class Engine(EngineFrontend):
             return None
         return core.scheduler.refusal_reason(time.perf_counter())
 
-    def refusing_new_streams(self) -> bool:
-        """Whether new streams are refused now because the engine runs behind (`refusal_reason`)."""
-        return self.refusal_reason() is not None
-
     @property
     def healthy(self) -> bool:
         """Whether the core is running and takes new streams."""

@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25
 # Between those, the I/O thread looks this often for a change of the engine's refusal of new streams (whether
-# it refuses, and why) and publishes the stats at once when it changed: the clients (the API workers) refuse from the stats they have,
-# and refusing or admitting up to a whole interval after the engine changed its mind lets a burst of arrivals
-# in after the engine began to refuse, or refuses them for nothing after it stopped.
+# it refuses, and why) and publishes the stats at once when it changed: the clients (the API workers) refuse
+# from the stats they have, and refusing or admitting up to a whole interval after the engine changed its mind
+# lets a burst of arrivals in after the engine began to refuse, or refuses them for nothing after it stopped.
 REFUSAL_CHECK_S = 0.02
 # A client says hello every HELLO_INTERVAL_S until welcomed, and ZeroMQ queues those hellos while the core
 # is still starting: they all arrive once it binds. One welcome (the tokenizer's megabytes) per client per

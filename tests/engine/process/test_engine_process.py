@@ -253,14 +253,14 @@ def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytes
             holder.push_text("Hello there, ")  # a few frames, then a wait for more text, in its slot
         _within(lambda: len(engine.core.scheduler.running) == 2, 60, "both slots held")
         queued = client.open_stream(TEXT, voice=voice, sampling=short)
-        _within(engine.refusing_new_streams, 30, "the core refusing while a request waits for a slot")
+        _within(lambda: engine.refusal_reason() is not None, 30, "the core refusing while a request waits for a slot")
         assert _within(lambda: client.stats().overloaded, 10, "the client refusing too") < 1.0
         with pytest.raises(EngineOverloadedError) as refused:
             client.open_stream(TEXT, voice=voice, sampling=short)
         assert refused.value.reason == "slot_wait"  # the core's rule, in its stats
 
         holders[0].cancel()  # the queued request takes the freed slot: the core admits again
-        _within(lambda: not engine.refusing_new_streams(), 30, "the core admitting again")
+        _within(lambda: engine.refusal_reason() is None, 30, "the core admitting again")
         assert _within(lambda: not client.stats().overloaded, 10, "the client admitting too") < 1.0
         assert sum(chunk.frame_end - chunk.frame_start for chunk in queued.chunks(timeout=60)) == 4
         pcm = [chunk.pcm for chunk in client.open_stream(TEXT, voice=voice, sampling=short).chunks(timeout=60)]
