@@ -45,7 +45,11 @@
 # (load.py --client-urls) at ray-1gpu's rates; RAY_REPLICA_COUNTS, RAY_WINDOW, RAY_SERVE_ARGS as there), and
 # ray-1gpu-mps (likewise, after ray-install: the two half-GPU replicas on their own ports under a CUDA MPS control
 # daemon of the stage's own, so that their kernels share the GPU at once rather than by turns; RAY_MPS_INGRESS="direct
-# proxy" runs them on their own ports and then through Serve's proxy).
+# proxy" runs them on their own ports and then through Serve's proxy). stress (mixed streams in-process at an open-loop
+# rate, no server: benchmarks/engine/stress.py; STRESS_MODEL, STRESS_ARGS, STRESS_TAG; by default 1.7B-CustomVoice at 75
+# req/s with the 1-frame second chunk, where the engine core once died of an illegal memory access) and sanitize (the
+# same on synthetic:tiny-customvoice under compute-sanitizer's memcheck, which names the kernel and address of an
+# out-of-bounds access; SANITIZE_ARGS).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -160,6 +164,16 @@ for stage in "$@"; do
                  --server-log "$out/serve-capacity-0.6b${LOAD_TAG:-}.log" --out "$out/capacity-0.6b${LOAD_TAG:-}.json" 2>&1 \
                  | tee "$out/capacity-0.6b${LOAD_TAG:-}.log"
                tar_profile "capacity-0.6b${LOAD_TAG:-}" ;;
+    stress) model=${STRESS_MODEL:-synthetic:1.7b-customvoice}
+            checkpoint "$model" > /dev/null
+            official -m benchmarks.engine.stress --model "$model" \
+              ${STRESS_ARGS:---rate 75 --duration 30 --frames 100 --chunk-schedule 1,1,2,4,8} \
+              --out "$out/stress${STRESS_TAG:-}.json" 2>&1 | tee "$out/stress${STRESS_TAG:-}.log" ;;
+    sanitize) checkpoint synthetic:tiny-customvoice > /dev/null
+              PYTHONPATH=/tmp/official:. compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
+                python3 -m benchmarks.engine.stress --model synthetic:tiny-customvoice \
+                ${SANITIZE_ARGS:---rate 40 --duration 20 --frames 40 --max-streams 64 --chunk-schedule 1,1,2,4,8} \
+                --out "$out/sanitize.json" 2>&1 | tail -300 | tee "$out/sanitize.log" ;;
     cpu-0.6b)
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend on
       # ONNX Runtime's one shared pool instead of a pool per graph (dedicated cores); docs/cpu-backend.md
