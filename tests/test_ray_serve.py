@@ -622,6 +622,25 @@ def test_serve_ray_passes_serves_scheduling_options_to_every_replicas_engine(cap
         RayServeSettings.from_dict({"model": "m", "chunk_schedule": [1, 0]}).validate()
 
 
+def test_serve_ray_tells_gpu_engine_load_autoscaling_to_cap_the_slots(capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured on an H100: a half-GPU replica with `--max-streams auto` reached the load target only as its streams
+    began to underrun (the slots fit memory, not compute). `serve-ray` says so where that setup is asked for, and
+    not otherwise."""
+    from qwen3tts_agent.cli import main
+
+    def note(*options: str) -> bool:
+        assert main(["serve-ray", "--model", "synthetic:tiny", *options, "--print-config"]) == 0
+        return "--max-active-streams" in capsys.readouterr().err
+
+    assert note("--num-gpus", "0.5", "--max-replicas", "2")
+    assert note("--num-gpus", "1", "--min-replicas", "1", "--max-replicas", "4")
+    assert not note("--num-gpus", "0.5", "--max-replicas", "2", "--max-active-streams", "48")  # capped
+    assert not note("--num-gpus", "0.5", "--max-replicas", "2", "--max-streams", "64")  # chosen slots
+    assert not note("--num-gpus", "0", "--max-replicas", "2")  # CPU replicas
+    assert not note("--num-gpus", "0.5", "--replicas", "2")  # no autoscaling
+    assert not note("--num-gpus", "0.5", "--max-replicas", "2", "--autoscale-on", "ongoing-requests")
+
+
 def _report(busy: int = 0, *, capacity: int = 2, sessions: int = 0, healthy: bool = True, overloaded: bool = False) -> dict[str, Any]:
     return {"at": 1.0, "ready": True, "healthy": healthy, "overloaded": overloaded, "capacity": capacity,
             "busy": busy, "sessions": sessions, "max_sessions": 64}

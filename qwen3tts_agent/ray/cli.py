@@ -151,6 +151,22 @@ def autoscale_signal(args: argparse.Namespace) -> str:
     return str(args.autoscale_on)
 
 
+def engine_load_caveat(settings: RayServeSettings) -> str | None:
+    """What to tell someone who autoscales GPU replicas on the engines' load with slots that fit memory: the load
+    is utterances over slots, and `--max-streams auto` fits the device's memory (or a replica's share of it),
+    which may exceed what the device computes in real time, so the load reaches the target only as the replica
+    falls behind (measured on an H100: docs/ray.md, Autoscaling). None where none of that holds."""
+    autoscaling = settings.num_replicas is None and settings.max_replicas > settings.min_replicas
+    if not (autoscaling and settings.autoscale_on == "engine-load" and settings.num_gpus > 0):
+        return None
+    if settings.max_streams != "auto" or settings.server.max_active_streams is not None:
+        return None
+    return ("engine-load autoscaling measures each replica's synthesis slots in use, and --max-streams auto fits "
+            "memory rather than what a replica computes in real time, so a replica may fall behind before its "
+            "load reaches --target-engine-load: set --max-active-streams to the streams one replica carries in "
+            "real time (docs/ray.md, Autoscaling)")
+
+
 def serve_config(settings: RayServeSettings) -> dict[str, Any]:
     """The Serve config file equivalent to these settings. The API key stays out: `app_builder` reads it
     from $QWEN3TTS_API_KEY where the config is deployed. The server's host and port stay in (the replicas
@@ -222,6 +238,8 @@ def run_serve_ray(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (caveat := engine_load_caveat(settings)) is not None:
+        print(f"note: {caveat}", file=sys.stderr)
     if args.print_config:
         import yaml  # Ray's own dependency
 
