@@ -124,12 +124,14 @@ def running_server(
         server.stop()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `condition`; returns the seconds it took."""
+    started = time.monotonic()
     while not condition():
-        if time.monotonic() > deadline:
+        if time.monotonic() - started > timeout:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+    return time.monotonic() - started
 
 
 async def async_wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:

@@ -25,12 +25,12 @@ import asyncio
 import collections
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.serving.load import pct
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.errors import EngineOverloadedError
 from qwen3tts_agent.reference import demo_reference
@@ -116,13 +116,6 @@ async def drive(engine: Engine, args: argparse.Namespace) -> Outcomes:
     return out
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def report(engine: Engine, args: argparse.Namespace, out: Outcomes, seconds: float) -> dict[str, Any]:
     stats = engine.stats()
     audio_ms = [s * 1000 for s in out.first_audio_s]
@@ -139,7 +132,7 @@ def report(engine: Engine, args: argparse.Namespace, out: Outcomes, seconds: flo
         "finished": dict(out.finished),
         "errors": dict(out.errors),
         "hung": out.hung,
-        "first_audio_ms": {"p50": statistics.median(audio_ms) if audio_ms else None, "p95": percentile(audio_ms, 0.95)},
+        "first_audio_ms": {"p50": pct(audio_ms, 50), "p95": pct(audio_ms, 95)},
         "engine": {"healthy": stats.healthy, "restarts": stats.restarts, "errors": stats.errors,
                    "late_chunks": stats.late_chunks, "late_by_index": stats.late_by_index,
                    "steps": stats.steps, "frames_generated": stats.frames_generated},

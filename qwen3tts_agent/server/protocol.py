@@ -127,7 +127,7 @@ def from_engine_error(exc: Exception) -> ApiError:
     """Map a typed engine error to its protocol code; anything untyped is an engine fault (500)."""
     for kind, code in _ENGINE_ERRORS:
         if isinstance(exc, kind):
-            reason = (exc.reason or "engine") if isinstance(exc, EngineOverloadedError) else None
+            reason = exc.reason if isinstance(exc, EngineOverloadedError) else None
             return ApiError(code, str(exc) or code, reason=reason)
     return ApiError("engine_error", f"synthesis failed: {type(exc).__name__}: {exc}")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from qwen3tts_agent.errors import (
     InvalidTextError,
 )
 from tests.engine_helpers import TEXT, engine_for, official_model, reference_audio
+from tests.server_fixtures import wait_for
 
 GREEDY = SamplingParams.greedy(max_frames=8)
 
@@ -224,15 +224,6 @@ def test_the_core_process_runs_the_cpu_graphs_on_its_pool() -> None:
         process.stop()
 
 
-def _within(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Wait for `condition`; the seconds it took."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.005)
-    return time.monotonic() - started
-
-
 def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The API workers refuse new streams (`busy`) from the last stats their core published. The stats come every
     `STATS_INTERVAL_S` (here 3 s, 250 ms as shipped) and, when the engine starts or stops refusing, at once: a
@@ -251,17 +242,17 @@ def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytes
         holders = [client.open_stream(voice=voice, sampling=SamplingParams.greedy(max_frames=200)) for _ in range(2)]
         for holder in holders:
             holder.push_text("Hello there, ")  # a few frames, then a wait for more text, in its slot
-        _within(lambda: len(engine.core.scheduler.running) == 2, 60, "both slots held")
+        wait_for(lambda: len(engine.core.scheduler.running) == 2, 60, "both slots held")
         queued = client.open_stream(TEXT, voice=voice, sampling=short)
-        _within(lambda: engine.refusal_reason() is not None, 30, "the core refusing while a request waits for a slot")
-        assert _within(lambda: client.stats().overloaded, 10, "the client refusing too") < 1.0
+        wait_for(lambda: engine.refusal_reason() is not None, 30, "the core refusing while a request waits for a slot")
+        assert wait_for(lambda: client.stats().overloaded, 10, "the client refusing too") < 1.0
         with pytest.raises(EngineOverloadedError) as refused:
             client.open_stream(TEXT, voice=voice, sampling=short)
         assert refused.value.reason == "slot_wait"  # the core's rule, in its stats
 
         holders[0].cancel()  # the queued request takes the freed slot: the core admits again
-        _within(lambda: engine.refusal_reason() is None, 30, "the core admitting again")
-        assert _within(lambda: not client.stats().overloaded, 10, "the client admitting too") < 1.0
+        wait_for(lambda: engine.refusal_reason() is None, 30, "the core admitting again")
+        assert wait_for(lambda: not client.stats().overloaded, 10, "the client admitting too") < 1.0
         assert sum(chunk.frame_end - chunk.frame_start for chunk in queued.chunks(timeout=60)) == 4
         pcm = [chunk.pcm for chunk in client.open_stream(TEXT, voice=voice, sampling=short).chunks(timeout=60)]
         assert sum(len(p) for p in pcm) == 4 * 1920
