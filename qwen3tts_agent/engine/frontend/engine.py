@@ -444,6 +444,8 @@ class Engine(EngineFrontend):
             late_by_index=dict(scheduler.load.stats.late_by_index),
             overloaded=refusal is not None,
             refusal_reason=refusal,
+            stream_limit=int(scheduler.stream_limit.limit(time.perf_counter())),
+            stream_limit_cuts=scheduler.stream_limit.cuts,
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

@@ -118,6 +118,8 @@ class EngineStats:
     late_by_index: dict[str, int] = field(default_factory=dict)
     overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
     refusal_reason: str | None = None  # ... by which rule: "slow_steps", "late_chunks" or "slot_wait"
+    stream_limit: int = 0  # streams the engine takes on while chunks leave late (max_streams: no limit in force)
+    stream_limit_cuts: int = 0  # times late chunks lowered it
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
     device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run

@@ -1,10 +1,11 @@
 """How loaded the device is now, from what the core reports (no tensors): batched steps' times and late chunks.
 
-Two decisions rest on it. New streams are refused (`overloaded`, the engine's `busy`) while the batched steps
-of the last `STEP_WINDOW_S` took, on average, too large a share of a frame's playing time, or while several
-chunks left after their listeners needed them within the last `LATE_WINDOW_S`: admitted streams keep their
-audio flowing rather than every stream starving a little. And for `FIRST_FRAME_PAUSE_S` after a chunk left
-late, new streams take no first-frame slot (`first_frames_paused`; `engine/scheduler/scheduler.py` says why).
+Two decisions rest on it. New streams are refused (the engine's `busy`) while the batched steps of the last
+`STEP_WINDOW_S` took, on average, too large a share of a frame's playing time (`slow_steps`); and while several
+chunks left after their listeners needed them within the last `LATE_WINDOW_S` (`late_chunks`), the scheduler
+lowers the number of streams it takes on (`stream_limit.StreamLimit`): admitted streams keep their audio flowing
+rather than every stream starving a little. And for `FIRST_FRAME_PAUSE_S` after a chunk left late, new streams
+take no first-frame slot (`first_frames_paused`; `engine/scheduler/scheduler.py` says why).
 
 What counts as late for these decisions may leave a tolerance (`shed_lateness_s`): a chunk that left a few ms after
 its deadline is still counted (`stats`, the metrics) but, below the tolerance, is no evidence. A listener with any
@@ -34,7 +35,8 @@ from .requests import FRAME_SECONDS
 MIN_STEP_RATE_OVER_REAL_TIME = 1.5
 # ... the steps that ended within this many seconds (none: no evidence, the device is not slow) ...
 STEP_WINDOW_S = 1.0
-# ... or while at least LATE_CHUNKS_TO_SHED chunks left later than their deadlines within LATE_WINDOW_S.
+# Late chunks are evidence of load while at least LATE_CHUNKS_TO_SHED left later than their deadlines within
+# LATE_WINDOW_S (the scheduler then takes on fewer streams).
 LATE_WINDOW_S = 1.0
 LATE_CHUNKS_TO_SHED = 3
 # For this long after a chunk left late, new streams take no first-frame slot.
@@ -101,17 +103,21 @@ class DeviceLoad:
         if not self._steps:
             self._step_total = 0.0  # no rounding left over from the subtractions
 
-    def on_delivered(self, deadline: float, now: float, chunk_index: int) -> None:
+    def on_delivered(self, deadline: float, now: float, chunk_index: int) -> bool:
         """A stream's chunk `chunk_index` (1 or more: the first has no deadline), due at `deadline`, left the core
-        at `now`: book it if it left late, and keep it as evidence if it left more than `shed_lateness_s` late."""
-        if now > deadline:
-            with self._lock:
-                self.stats.late_chunks += 1
-                self.stats.late_by_index[late_index_key(chunk_index)] += 1
-                self.stats.underrun_seconds += now - deadline
-                if now - deadline > self.shed_lateness_s:
-                    self._last_late = now
-                    self._late_at.append(now)
+        at `now`: book it if it left late, and keep it as evidence if it left more than `shed_lateness_s` late.
+        Whether it is evidence."""
+        if now <= deadline:
+            return False
+        with self._lock:
+            self.stats.late_chunks += 1
+            self.stats.late_by_index[late_index_key(chunk_index)] += 1
+            self.stats.underrun_seconds += now - deadline
+            if now - deadline <= self.shed_lateness_s:
+                return False
+            self._last_late = now
+            self._late_at.append(now)
+            return True
 
     def overloaded(self, now: float) -> bool:
         """Whether the recent evidence says the device runs behind its streams (`overload_reason`)."""
@@ -121,12 +127,20 @@ class DeviceLoad:
         """What says the device runs behind its streams: `SLOW_STEPS` (the steps of the last `STEP_WINDOW_S`
         were slow) or `LATE_CHUNKS` (several chunks left late within the last `LATE_WINDOW_S`); None if
         neither does."""
-        if self.step_seconds(now) > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME:
+        if self.slow_steps(now):
             return SLOW_STEPS
+        return LATE_CHUNKS if self.late_chunks(now) else None
+
+    def slow_steps(self, now: float) -> bool:
+        """Whether the batched steps of the last `STEP_WINDOW_S` took too large a share of a frame's time."""
+        return self.step_seconds(now) > FRAME_SECONDS / MIN_STEP_RATE_OVER_REAL_TIME
+
+    def late_chunks(self, now: float) -> bool:
+        """Whether `LATE_CHUNKS_TO_SHED` chunks or more left late (past the tolerance) within `LATE_WINDOW_S`."""
         with self._lock:
             while self._late_at and now - self._late_at[0] > LATE_WINDOW_S:
                 self._late_at.popleft()
-            return LATE_CHUNKS if len(self._late_at) >= LATE_CHUNKS_TO_SHED else None
+            return len(self._late_at) >= LATE_CHUNKS_TO_SHED
 
     def first_frames_paused(self, now: float) -> bool:
         """Whether new streams skip the first-frame slots: a chunk left late (past the tolerance) less than

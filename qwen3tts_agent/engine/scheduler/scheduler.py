@@ -9,10 +9,11 @@ left, the next chunk is needed by `first_audio + delivered_frames * 80 ms`. The 
 the stream's slack. Chunks due for decoding are handed to the core most urgent first (first chunks, then
 by deadline), and a stream whose audio cut so far runs out soon gets its pending frames decoded at once rather
 than waiting to fill its next scheduled chunk (`cut_chunk`; no chunk is ever longer than its schedule's).
-Overload is refused at admission (`overloaded`: while a stream is live, from the last second's step times and
-late chunks booked in `load`, or while a request has waited `SLOT_WAIT_TO_SHED_S` for a slot) while admitted
-streams still have slack, instead of letting every stream starve a little, or letting new ones queue for seconds
-behind full slots (a caller would rather hear `busy` at once and go elsewhere).
+Overload is refused at admission (`overloaded`: while a stream is live, from the last second's step times booked in
+`load`, past the number of streams that late chunks have cut the engine down to (`stream_limit.StreamLimit`), or
+while a request has waited `SLOT_WAIT_TO_SHED_S` for a slot) while admitted streams still have slack, instead of
+letting every stream starve a little, or letting new ones queue for seconds behind full slots (a caller would rather
+hear `busy` at once and go elsewhere).
 
 First-frame slots. Every live stream is a row of every frame step, so a step under load takes several times
 a lone stream's (more rows, bigger graph buckets), and a new stream's first frame would wait for the step in
@@ -60,6 +61,7 @@ from .device_load import LATE_CHUNKS, SLOW_STEPS, DeviceLoad
 from .requests import ChunkPlan, PrefillPlan, RequestState, cut_chunk, urgency
 from .slots import SlotPool
 from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
+from .stream_limit import StreamLimit
 
 # Refuse new streams while a request has waited this long for its first slot: every slot is taken, and streams
 # leave them slower than new ones come, so a new stream's first audio would be that much late at least. (Lateness
@@ -144,6 +146,7 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.slots = SlotPool(max_slots)  # free once no step in flight may hold them (engine/scheduler/slots.py)
         self.load = DeviceLoad(shed_lateness_s)  # the steps' times and the late chunks (refusals, first-frame pauses)
+        self.stream_limit = StreamLimit(max_slots)  # how many streams to take on while chunks leave late
 
     # ----------------------------------------------------------------- requests
     def add(self, request: RequestState) -> None:
@@ -528,13 +531,22 @@ class Scheduler:
         return self.refusal_reason(now) is not None
 
     def refusal_reason(self, now: float) -> str | None:
-        """Which rule of `overloaded` refuses new streams now (`REFUSAL_REASONS`), or None."""
+        """Which rule of `overloaded` refuses new streams now (`REFUSAL_REASONS`), or None: `SLOW_STEPS`,
+        `LATE_CHUNKS` (a new stream would pass the limit that late chunks set) or `SLOT_WAIT`."""
         if not self.requests:
             return None
-        reason = self.load.overload_reason(now)
-        if reason is None and self.slot_wait(now) >= SLOT_WAIT_TO_SHED_S:
-            reason = SLOT_WAIT
-        return reason
+        if self.load.slow_steps(now):
+            return SLOW_STEPS
+        if self.stream_limit.refuses(self.holding_streams(), now):
+            return LATE_CHUNKS
+        if self.slot_wait(now) >= SLOT_WAIT_TO_SHED_S:
+            return SLOT_WAIT
+        return None
+
+    def holding_streams(self) -> int:
+        """Requests holding a slot or waiting for one: what `stream_limit` limits. (Streams whose last frame
+        has run hold none: their audio's decoding is what is left of them.)"""
+        return len(self.running) + len(self.waiting)
 
     def slot_wait(self, now: float) -> float:
         """How long the oldest request still waiting for its first slot has waited (0.0: none waits). A request
@@ -552,7 +564,8 @@ class Scheduler:
         if deadline is None:
             request.first_audio = now
         else:
-            self.load.on_delivered(deadline, now, plan.index)
+            if self.load.on_delivered(deadline, now, plan.index) and self.load.late_chunks(now):
+                self.stream_limit.on_late(self.holding_streams(), now)
         request.delivered_frames = plan.frame_start + plan.n_frames
 
     def audio_streams(self) -> int:

@@ -8,6 +8,7 @@ import pytest
 from qwen3tts_agent.engine.scheduler import Scheduler, StepPacer
 from qwen3tts_agent.engine.scheduler.device_load import (
     FIRST_FRAME_PAUSE_S,
+    LATE_CHUNKS,
     LATE_CHUNKS_TO_SHED,
     LATE_WINDOW_S,
     STEP_WINDOW_S,
@@ -26,6 +27,13 @@ from qwen3tts_agent.engine.scheduler.step_timing import (
     PACE_MARGIN_S,
     first_frame_in_flight,
     steps_can_wait,
+)
+from qwen3tts_agent.engine.scheduler.stream_limit import (
+    BACKOFF,
+    CUT_INTERVAL_S,
+    GROWTH_PER_S,
+    HOLD_S,
+    StreamLimit,
 )
 from qwen3tts_agent.engine.types import FinishReason, TextLayout
 
@@ -282,6 +290,61 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
     assert scheduler.load.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
     now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
     assert scheduler.load.overloaded(now) and not scheduler.load.overloaded(now + LATE_WINDOW_S + 0.5)
+
+
+
+def test_late_chunks_cut_the_limit_to_a_fraction_of_the_streams_there_then_it_grows_back_to_every_slot() -> None:
+    limit = StreamLimit(max_slots=200)
+    assert limit.limit(0.0) == 200 and not limit.refuses(300, 0.0)  # off: requests may wait for a slot
+    assert limit.on_late(streams=100, now=10.0)
+    assert limit.limit(10.0) == pytest.approx(BACKOFF * 100)
+    assert limit.refuses(int(BACKOFF * 100), 10.0) and not limit.refuses(int(BACKOFF * 100) - 1, 10.0)
+    # more late chunks of the same excess do not cut again within the interval
+    assert not limit.on_late(streams=95, now=10.0 + CUT_INTERVAL_S / 2)
+    assert limit.limit(10.0 + HOLD_S) == pytest.approx(BACKOFF * 100)  # held, then it grows
+    after = 10.0 + HOLD_S + 1.0
+    assert limit.limit(after) == pytest.approx(BACKOFF * 100 + GROWTH_PER_S * 200)
+    # lateness that goes on cuts again, from the limit where fewer streams are there than it allows
+    assert limit.on_late(streams=150, now=after)
+    assert limit.limit(after) == pytest.approx(BACKOFF * (BACKOFF * 100 + GROWTH_PER_S * 200))
+    assert limit.cuts == 2
+    assert limit.limit(after + 1000.0) == 200 and not limit.refuses(300, after + 1000.0)  # off again
+    assert limit.on_late(streams=0, now=after + 1000.0) and limit.limit(after + 1000.0) == 1  # nor below one
+    with pytest.raises(ValueError, match="max_slots"):
+        StreamLimit(0)
+
+
+def test_late_chunks_make_the_scheduler_refuse_past_fewer_streams_not_every_new_stream() -> None:
+    """Ten streams live, their chunks late: the scheduler takes on fewer streams (a new one comes in as others
+    leave) instead of refusing every new stream while the lateness lasts, and later takes on every slot again."""
+    slots = 12
+    scheduler = make_scheduler(max_slots=slots)
+    live = [make_request(f"r{i}", schedule=(1,), max_frames=None) for i in range(10)]
+    for r in live:
+        start(scheduler, r, list(range(20)))
+    for plan in step(scheduler, 0.0):
+        scheduler.on_delivered(plan, now=1.0)  # first audio at 1.0: the next chunks are due one frame on
+    assert scheduler.refusal_reason(1.0) is None
+    late_at = 1.0 + FRAME_SECONDS + 0.05
+    for plan in step(scheduler, late_at):
+        scheduler.on_delivered(plan, now=late_at)
+    assert scheduler.load.stats.late_chunks == len(live) >= LATE_CHUNKS_TO_SHED
+    assert scheduler.stream_limit.cuts == 1  # one cut for the lot
+    assert scheduler.stream_limit.limit(late_at) == pytest.approx(BACKOFF * len(live))
+    assert scheduler.refusal_reason(late_at) == LATE_CHUNKS  # a tenth would pass 9 (the old rule: every new one)
+    scheduler.finish(live[0], FinishReason.CANCELLED)
+    assert scheduler.refusal_reason(late_at) == LATE_CHUNKS
+    scheduler.finish(live[1], FinishReason.CANCELLED)
+    assert scheduler.refusal_reason(late_at) is None  # eight left: a new stream takes a place
+    start(scheduler, make_request("next"), [5, 6], now=late_at)
+    assert scheduler.refusal_reason(late_at) == LATE_CHUNKS
+    # the evidence fades within a second; held, then growing, the limit lets a tenth stream in once it is 10 ...
+    assert not scheduler.load.late_chunks(late_at + LATE_WINDOW_S + 0.01)
+    tenth = late_at + HOLD_S + (10 - BACKOFF * len(live)) / (GROWTH_PER_S * slots)
+    assert scheduler.refusal_reason(tenth - 0.01) == LATE_CHUNKS and scheduler.refusal_reason(tenth + 0.01) is None
+    # ... and is back at every slot, and off, a few seconds after the cut
+    regrown = late_at + HOLD_S + (slots - BACKOFF * len(live)) / (GROWTH_PER_S * slots)
+    assert scheduler.stream_limit.limit(regrown - 0.01) < slots == scheduler.stream_limit.limit(regrown)
 
 
 def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:

@@ -1,0 +1,61 @@
+"""How many streams an engine takes on while its chunks leave late (`StreamLimit`): no tensors, no locks.
+
+Late chunks are evidence that the device carries more streams than it can keep on time. The rule before this one
+refused every new stream while the evidence lasted (a second): the streams live then ran out one by one, the
+device emptied, and when the evidence faded a second's arrivals came in at once, their early chunks late together,
+and the device refused again. Above its capacity such an engine served fewer streams the more were offered (1.7B
+on an H100: 62 a second at 75 req/s, 48 at 100; docs/performance.md, "capacity-e").
+
+Instead the evidence lowers a limit on the streams holding or waiting for a slot, to `BACKOFF` times those there
+when it came (multiplicative decrease), at most once per `CUT_INTERVAL_S` while chunks keep leaving late (one
+excess makes several chunks late over a few frames: one cut, not one per chunk). The limit then climbs back by
+`GROWTH_PER_S` of the engine's slots a second (additive increase) from `HOLD_S` after its last cut, up to every
+slot, where it is off. Admission thus follows the streams the device keeps on time: a new stream comes in as one leaves, not in a
+burst, and the device stays full. The limit is a function of time since its last cut, so that readers on other
+threads (admission, stats) compute it without the core's thread ever ticking it.
+"""
+
+from __future__ import annotations
+
+# After late chunks, the limit: this fraction of the streams then holding or waiting for a slot ...
+BACKOFF = 0.9
+# ... cut again, while chunks keep leaving late, at most this often ...
+CUT_INTERVAL_S = 0.5
+# ... and held for this long after a cut (the chunks of streams admitted just before it are due within it) ...
+HOLD_S = 0.5
+# ... then raised by this fraction of the slots a second, up to all of them.
+GROWTH_PER_S = 0.05
+
+
+class StreamLimit:
+    """A limit on the streams holding or waiting for a slot, cut by late chunks and regrown with time."""
+
+    def __init__(self, max_slots: int) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be at least 1, got {max_slots}")
+        self.max_slots = max_slots
+        self._cut_to = float(max_slots)  # the limit's value at its last cut
+        self._cut_at = float("-inf")  # when that was (never: no limit below the slots)
+        self.cuts = 0  # how many times late chunks lowered it (stats)
+
+    def limit(self, now: float) -> float:
+        """The streams that may hold or wait for a slot at `now` (the slots, unless a recent cut says fewer)."""
+        grown = max(0.0, now - self._cut_at - HOLD_S) * GROWTH_PER_S * self.max_slots
+        return min(float(self.max_slots), self._cut_to + grown)
+
+    def on_late(self, streams: int, now: float) -> bool:
+        """Chunks left late with `streams` holding or waiting for a slot: cut the limit to `BACKOFF` of those
+        (or of the limit, where that is lower), unless it was cut within `CUT_INTERVAL_S`. Whether it was cut.
+        It never goes below one stream."""
+        if now - self._cut_at < CUT_INTERVAL_S:
+            return False
+        self._cut_to = max(1.0, BACKOFF * min(float(streams), self.limit(now)))
+        self._cut_at = now
+        self.cuts += 1
+        return True
+
+    def refuses(self, streams: int, now: float) -> bool:
+        """Whether a new stream would take the engine past the limit, with `streams` there already. Back at
+        every slot the limit is off: requests may then wait for a slot (`Scheduler.slot_wait` bounds that)."""
+        limit = self.limit(now)
+        return limit < self.max_slots and streams + 1 > limit
