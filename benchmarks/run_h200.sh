@@ -49,7 +49,8 @@
 # rate, no server: benchmarks/engine/stress.py; STRESS_MODEL, STRESS_ARGS, STRESS_TAG; by default 1.7B-CustomVoice at 75
 # req/s with the 1-frame second chunk, where the engine core once died of an illegal memory access) and sanitize (the
 # same on synthetic:tiny-customvoice under compute-sanitizer's memcheck, which names the kernel and address of an
-# out-of-bounds access; SANITIZE_ARGS).
+# out-of-bounds access; every step is slow there, so at a low rate with refusals off; SANITIZE_ARGS; SANITIZE_EAGER=1
+# runs it without CUDA graphs and with PyTorch's caching allocator off, so that memcheck sees each tensor's own bounds).
 # The smoke stage tries the engine's defaults, then without the Triton kernels, then also without the
 # codec's own stream; the later stages run with the first set of flags that passed (and say so). NO_PDL=1 adds --no-pdl (no programmatic
 # dependent launch for the Triton kernels) to the smoke, sweep, kernels, parity and engine stages.
@@ -170,10 +171,12 @@ for stage in "$@"; do
               ${STRESS_ARGS:---rate 75 --duration 30 --frames 100 --chunk-schedule 1,1,2,4,8} \
               --out "$out/stress${STRESS_TAG:-}.json" 2>&1 | tee "$out/stress${STRESS_TAG:-}.log" ;;
     sanitize) checkpoint synthetic:tiny-customvoice > /dev/null
-              PYTHONPATH=/tmp/official:. compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
+              # SANITIZE_EAGER=1: no CUDA graphs and no caching allocator, so memcheck sees each tensor's bounds
+              PYTHONPATH=/tmp/official:. env ${SANITIZE_EAGER:+PYTORCH_NO_CUDA_MEMORY_CACHING=1} compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
                 python3 -m benchmarks.engine.stress --model synthetic:tiny-customvoice \
-                ${SANITIZE_ARGS:---rate 40 --duration 20 --frames 40 --max-streams 64 --chunk-schedule 1,1,2,4,8} \
-                --out "$out/sanitize.json" 2>&1 | tail -300 | tee "$out/sanitize.log" ;;
+                ${SANITIZE_ARGS:---rate 4 --duration 20 --frames 40 --max-streams 64 --no-shed --hang-s 600 --chunk-schedule 1,1,2,4,8} \
+                ${SANITIZE_EAGER:+--no-graphs} --out "$out/sanitize${SANITIZE_EAGER:+-eager}.json" 2>&1 | tail -300 \
+                | tee "$out/sanitize${SANITIZE_EAGER:+-eager}.log" ;;
     cpu-0.6b)
       # the int8 CPU backend beside PyTorch's CPU path on the host's cores (no GPU), then the int8 backend on
       # ONNX Runtime's one shared pool instead of a pool per graph (dedicated cores); docs/cpu-backend.md

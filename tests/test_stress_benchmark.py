@@ -14,7 +14,7 @@ def test_the_stress_run_accounts_for_every_stream_it_opened(tmp_path: Path) -> N
     code = stress.main([
         "--model", "synthetic:tiny-customvoice", "--device", "cpu", "--rate", "6", "--duration", "3",
         "--frames", "8", "--max-streams", "4", "--chunk-schedule", "1,1,2,4,8", "--cancel-share", "0.4",
-        "--streamed-share", "0.5", "--out", str(out),
+        "--streamed-share", "0.5", "--no-shed", "--no-graphs", "--out", str(out),
     ])
     report = json.loads(out.read_text())
     assert code == 0 and report["ok"], report

@@ -15,7 +15,8 @@ or of the engine, and on a stream that has not ended `--hang-s` after its last a
     python -m benchmarks.engine.stress --model synthetic:1.7b-customvoice --rate 75 --duration 30 \\
         --chunk-schedule 1,1,2,4,8 --out stress.json
     compute-sanitizer --tool memcheck --target-processes all python -m benchmarks.engine.stress \\
-        --model synthetic:tiny-customvoice --rate 40 --duration 20 --max-streams 64 --chunk-schedule 1,1,2,4,8
+        --model synthetic:tiny-customvoice --rate 4 --duration 20 --max-streams 64 --no-shed --hang-s 600 \\
+        --chunk-schedule 1,1,2,4,8
 """
 
 from __future__ import annotations
@@ -152,11 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streamed-share", type=float, default=0.3, help="share of streams whose text comes word by word")
     p.add_argument("--cancel-share", type=float, default=0.1, help="share of streams cancelled after their first chunk")
     p.add_argument("--hang-s", type=float, default=HANG_S, help="a stream not ended this long after the last arrival hangs")
+    p.add_argument("--no-shed", action="store_true",
+                   help="the engine never refuses for running behind (under compute-sanitizer every step is slow)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="no CUDA graphs: with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (which graphs cannot replay under), "
+                        "memcheck sees every tensor's own bounds, not the caching allocator's blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     max_streams: int | str = args.max_streams if args.max_streams == "auto" else int(args.max_streams)
     kwargs: dict[str, Any] = {"max_streams": max_streams}
+    if args.no_shed:
+        kwargs["shed_when_behind"] = False
+    if args.no_graphs:
+        kwargs["use_cuda_graphs"] = False
     if args.chunk_schedule:
         kwargs["chunk_schedule"] = tuple(int(n) for n in args.chunk_schedule.split(","))
     engine = Engine.load(args.model, device=args.device, progress=sys.stderr.isatty(), **kwargs)
