@@ -320,7 +320,10 @@ async def test_a_client_that_stops_reading_through_the_proxy_frees_its_replicas_
     """Serve's proxy app waits on a client that stopped reading for good: the replica's session behind it held
     its slot until the replica's own send timeout (10 s here, through Serve's relay) and the client's connection
     stayed open after. The proxy aborts such a connection after its `send_timeout_s`, the replica sees the client
-    leave, and the slot comes back (the server's gauges return to 0) well before the replica's timeout."""
+    leave, and the slot comes back (the server's gauges return to 0) well before the replica's timeout. (That the
+    proxy aborted the connection is read from its log: what the client then reads depends on the kernels' TCP
+    timers, as the aborted socket still holds data for a client that does not read, and did not always end within
+    10 s on a loaded machine.)"""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a tiny window stalls the proxy fast
     sock.connect(tuple_address(serve_url))
@@ -334,9 +337,16 @@ async def test_a_client_that_stops_reading_through_the_proxy_frees_its_replicas_
     stalled = time.monotonic()
     await wait_until(lambda: live(serve_url) == 0, 60, "the stalled client's stream ended")
     assert time.monotonic() - stalled < PROXY_SEND_TIMEOUT_S + 6  # measured: 2.2 s, and 15 s without the deadline
-    with pytest.raises(ConnectionClosed):
-        while True:  # reading again finds what was buffered, then the aborted connection
-            await asyncio.wait_for(ws.recv(), 10)
+    await wait_until(lambda: "closing a WebSocket whose client read nothing" in proxy_stderr_text(), 10,
+                     "the proxy's log of the connection it aborted")
+    ws.transport.abort()
+
+
+def proxy_stderr_text() -> str:
+    """What this cluster's worker processes (Serve's proxies among them) wrote to their stderr so far: where the
+    proxy middleware's own log lines go."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("worker-*.err")))
 
 
 def proxy_log_text() -> str:
