@@ -211,6 +211,43 @@ def test_the_core_never_outlives_its_supervisor(sig: signal.Signals) -> None:
         _stop(process)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_a_signal_to_the_whole_group_stops_serve_in_order(sig: signal.Signals, tmp_path: Path) -> None:
+    """Ctrl-C in a terminal, and systemd's stop (its default KillMode), signal every process of `serve` at once,
+    the engine core included. The core then keeps serving until the API workers have ended their sessions and the
+    supervisor stops it: a client mid-stream gets a clean close, not an engine error, and nothing logs an error
+    (before, the core left first and every API worker logged "the engine core is gone")."""
+    log = tmp_path / "serve.log"
+    port = _free_port()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", "synthetic:tiny", "--backend", "torch",
+             "--port", str(port), "--max-streams", "4", "--log-level", "info", "--workers", "2"],
+            start_new_session=True, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_for(port, 200, STARTUP_S)
+        ws = await _utterance(port, frames=2000)
+        first = await asyncio.wait_for(ws.recv(), 60)
+        assert isinstance(first, str) and json.loads(first)["type"] == "audio"
+        core = _core_process(process)
+        os.killpg(process.pid, sig)
+        messages: list[dict[str, object]] = []
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                message = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(message, str):
+                    messages.append(json.loads(message))
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012, closed.value  # going away, in order
+        assert not [m for m in messages if m["type"] == "error"], messages
+        assert await asyncio.to_thread(process.wait, 60) == 0
+        core.wait(30)
+    finally:
+        _stop(process)
+    text = log.read_text(errors="replace")
+    assert "engine core is gone" not in text and " ERROR " not in text and "Traceback" not in text, text[-3000:]
+
+
 def test_only_the_core_process_loads_torch(server: subprocess.Popen[bytes]) -> None:
     """`serve`'s supervisor and its API workers only pass requests, voices and audio along: they load no
     torch (seconds at every start, hundreds of MB per worker); the engine core does."""

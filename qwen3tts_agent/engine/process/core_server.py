@@ -49,6 +49,9 @@ CLIENT_SILENCE_S = 5.0  # a client not heard from for this long is gone: its req
 EXIT_CORE_DIED = 70
 PARENT_POLL_S = 0.5  # how often the core checks that its supervisor is alive
 ORPHAN_EXIT_S = 10.0  # an orphaned core that has not stopped cleanly this long after noticing exits outright
+# A supervised core that got SIGTERM stops this long after it at the latest, if its supervisor has not stopped it
+# (a signal to the whole process group: the supervisor stops the API workers first, then the core)
+SIGNAL_GRACE_S = 30.0
 
 
 class HostedEngine(Engine):
@@ -268,16 +271,37 @@ def cpu_pool_default() -> dict[str, str]:
     return {"QWEN3TTS_CPU_POOL": "shared" if torch.get_num_threads() >= SHARED_POOL_MIN_CORES else "session"}
 
 
-def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
-    """The engine-core process: load, warm up, serve until SIGTERM (or until the core dies)."""
+def _stop_on_signals(stop: threading.Event, stop_requested: Any) -> None:
+    """How signals stop the core. Started by a supervisor (`stop_requested`, the event its `stop` sets), the core
+    shares the supervisor's process group, so Ctrl-C in a terminal and a stop by systemd (its default KillMode)
+    signal the core together with the API workers. Stopping then would fail every stream the workers are still
+    ending (each worker logging that the core is gone); instead the core ignores SIGINT and, on SIGTERM, stops
+    when its supervisor says so or `SIGNAL_GRACE_S` later, whichever comes first (a SIGTERM sent to the core
+    alone thus still stops it, and its supervisor starts another). Without a supervisor either signal stops it."""
+    if stop_requested is None:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Timer(SIGNAL_GRACE_S, stop.set).start())
+
+    def follow_supervisor() -> None:
+        stop_requested.wait()
+        stop.set()
+
+    threading.Thread(target=follow_supervisor, name="qwen3tts-core-stop", daemon=True).start()
+
+
+def core_main(launch: CoreLaunch, ready: Connection | None = None, stop_requested: Any = None) -> None:
+    """The engine-core process: load, warm up, serve until stopped (`_stop_on_signals`) or until the core dies.
+    `stop_requested`: a multiprocessing event its supervisor sets to stop it (`EngineProcess.stop`)."""
     for name, value in {**FRAMEWORKS_OFF, **cpu_pool_default()}.items():
         os.environ.setdefault(name, value)
     transformers_without_scikit_learn()  # after the switches above: transformers reads them at its import
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _stop_on_signals(stop, stop_requested)
     threading.Thread(target=_stop_with_parent, args=(stop,), name="qwen3tts-core-parent", daemon=True).start()
     try:
         started = time.perf_counter()

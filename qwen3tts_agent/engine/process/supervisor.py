@@ -26,14 +26,14 @@ from .launch import CoreLaunch
 logger = logging.getLogger(__name__)
 
 
-def run_core(launch: CoreLaunch, ready: Connection | None = None) -> None:
+def run_core(launch: CoreLaunch, ready: Connection | None = None, stop_requested: Any = None) -> None:
     """The engine-core process's entry point (`core_server.core_main`, imported only in that process)."""
     from ...caches import use_bytecode_cache
 
     use_bytecode_cache()  # before torch's import: see caches.py
     from .core_server import core_main
 
-    core_main(launch, ready)
+    core_main(launch, ready, stop_requested)
 
 
 class EngineProcess:
@@ -51,6 +51,8 @@ class EngineProcess:
         self._context = multiprocessing.get_context("spawn")
         self._process: Any = None
         self._stopping = threading.Event()
+        # how `stop` asks the core to stop: its signals may come from elsewhere (`core_server.core_main`)
+        self._stop_requested = self._context.Event()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -74,7 +76,9 @@ class EngineProcess:
     def _spawn(self, timeout: float | None, *, restarting: bool = False) -> None:
         receiver, sender = self._context.Pipe(duplex=False)
         launch = replace(self.launch, process_restarts=self.restarts + restarting)
-        process = self._context.Process(target=run_core, args=(launch, sender), name="qwen3tts-core", daemon=False)
+        process = self._context.Process(
+            target=run_core, args=(launch, sender, self._stop_requested), name="qwen3tts-core", daemon=False
+        )
         process.start()
         sender.close()
         self._process = process
@@ -121,10 +125,12 @@ class EngineProcess:
             os.kill(self._process.pid, signal.SIGKILL)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the core: asked first (it ends its streams and closes), SIGKILLed if it is still there after
+        `timeout` seconds."""
         self._stopping.set()
+        self._stop_requested.set()
         process = self._process
         if process is not None and process.is_alive():
-            process.terminate()
             process.join(timeout)
             if process.is_alive():
                 process.kill()
