@@ -116,9 +116,9 @@ class EngineStats:
     underrun_seconds: float = 0.0  # how late, summed
     # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"
     late_by_index: dict[str, int] = field(default_factory=dict)
-    overloaded: bool = False  # new streams are refused: behind real time (steps too slow, or a chunk left late)
+    overloaded: bool = False  # new streams are refused now: slow steps, the late-chunk limit or a slot wait
     refusal_reason: str | None = None  # ... by which rule: "slow_steps", "late_chunks" or "slot_wait"
-    stream_limit: int = 0  # streams the engine takes on while chunks leave late (max_streams: no limit in force)
+    stream_limit: int = 0  # streams taken on while chunks leave late (max_streams: no limit; 0: no core to ask)
     stream_limit_cuts: int = 0  # times late chunks lowered it
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
