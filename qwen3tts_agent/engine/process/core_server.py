@@ -31,7 +31,7 @@ from ...models.compat import transformers_without_scikit_learn
 from ..frontend import Engine
 from ..messages import AbortRequest, AddRequest, ChunkOutput, FinishOutput
 from . import ipc
-from .launch import GIL_SWITCH_INTERVAL_S, CoreLaunch
+from .launch import GIL_SWITCH_INTERVAL_S, STOP_SIGNAL, CoreLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -271,37 +271,34 @@ def cpu_pool_default() -> dict[str, str]:
     return {"QWEN3TTS_CPU_POOL": "shared" if torch.get_num_threads() >= SHARED_POOL_MIN_CORES else "session"}
 
 
-def _stop_on_signals(stop: threading.Event, stop_requested: Any) -> None:
-    """How signals stop the core. Started by a supervisor (`stop_requested`, the event its `stop` sets), the core
-    shares the supervisor's process group, so Ctrl-C in a terminal and a stop by systemd (its default KillMode)
-    signal the core together with the API workers. Stopping then would fail every stream the workers are still
-    ending (each worker logging that the core is gone); instead the core ignores SIGINT and, on SIGTERM, stops
-    when its supervisor says so or `SIGNAL_GRACE_S` later, whichever comes first (a SIGTERM sent to the core
-    alone thus still stops it, and its supervisor starts another). Without a supervisor either signal stops it."""
-    if stop_requested is None:
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        return
+def _stop_on_signals(stop: threading.Event) -> None:
+    """How signals stop the core. The core shares its supervisor's process group, so Ctrl-C in a terminal and a stop
+    by systemd (its default KillMode) signal the core together with the API workers. Stopping then would fail every
+    stream the workers are still ending (each worker logging that the core is gone). So the core ignores SIGINT,
+    stops on `STOP_SIGNAL` (its supervisor's `EngineProcess.stop`, once the workers have stopped), and on SIGTERM
+    `SIGNAL_GRACE_S` later at the latest: a SIGTERM sent to the core alone still stops it (and its supervisor
+    starts another). A signal rather than a shared event: a core killed while waiting on a multiprocessing event
+    leaves it unusable, and the supervisor's next `set` would wait for that core for good."""
+
+    def stop_later(*_: object) -> None:
+        timer = threading.Timer(SIGNAL_GRACE_S, stop.set)
+        timer.daemon = True  # a core stopped sooner exits without waiting for it
+        timer.start()
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Timer(SIGNAL_GRACE_S, stop.set).start())
-
-    def follow_supervisor() -> None:
-        stop_requested.wait()
-        stop.set()
-
-    threading.Thread(target=follow_supervisor, name="qwen3tts-core-stop", daemon=True).start()
+    signal.signal(signal.SIGTERM, stop_later)
+    signal.signal(STOP_SIGNAL, lambda *_: stop.set())
 
 
-def core_main(launch: CoreLaunch, ready: Connection | None = None, stop_requested: Any = None) -> None:
-    """The engine-core process: load, warm up, serve until stopped (`_stop_on_signals`) or until the core dies.
-    `stop_requested`: a multiprocessing event its supervisor sets to stop it (`EngineProcess.stop`)."""
+def core_main(launch: CoreLaunch, ready: Connection | None = None) -> None:
+    """The engine-core process: load, warm up, serve until stopped (`_stop_on_signals`) or until the core dies."""
     for name, value in {**FRAMEWORKS_OFF, **cpu_pool_default()}.items():
         os.environ.setdefault(name, value)
     transformers_without_scikit_learn()  # after the switches above: transformers reads them at its import
     logging.basicConfig(level=launch.log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     stop = threading.Event()
-    _stop_on_signals(stop, stop_requested)
+    _stop_on_signals(stop)
     threading.Thread(target=_stop_with_parent, args=(stop,), name="qwen3tts-core-parent", daemon=True).start()
     try:
         started = time.perf_counter()

@@ -6,12 +6,16 @@ A module of its own so that the supervisor (`supervisor.py`, no torch) and the c
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 # The step loop and the I/O thread share the core process's interpreter lock: a short switch interval lets
 # the I/O thread forward a request or an audio chunk within about a millisecond of it being ready.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# What the supervisor sends the core to stop it (`EngineProcess.stop`): neither a terminal's Ctrl-C nor systemd's
+# stop sends it, so the core can tell its supervisor's stop from theirs (`core_server._stop_on_signals`)
+STOP_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)

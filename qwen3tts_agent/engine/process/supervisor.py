@@ -11,6 +11,7 @@ exits, and `EngineProcess` starts a fresh one after a back-off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -21,19 +22,19 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .launch import CoreLaunch
+from .launch import STOP_SIGNAL, CoreLaunch
 
 logger = logging.getLogger(__name__)
 
 
-def run_core(launch: CoreLaunch, ready: Connection | None = None, stop_requested: Any = None) -> None:
+def run_core(launch: CoreLaunch, ready: Connection | None = None) -> None:
     """The engine-core process's entry point (`core_server.core_main`, imported only in that process)."""
     from ...caches import use_bytecode_cache
 
     use_bytecode_cache()  # before torch's import: see caches.py
     from .core_server import core_main
 
-    core_main(launch, ready, stop_requested)
+    core_main(launch, ready)
 
 
 class EngineProcess:
@@ -51,8 +52,6 @@ class EngineProcess:
         self._context = multiprocessing.get_context("spawn")
         self._process: Any = None
         self._stopping = threading.Event()
-        # how `stop` asks the core to stop: its signals may come from elsewhere (`core_server.core_main`)
-        self._stop_requested = self._context.Event()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -76,9 +75,7 @@ class EngineProcess:
     def _spawn(self, timeout: float | None, *, restarting: bool = False) -> None:
         receiver, sender = self._context.Pipe(duplex=False)
         launch = replace(self.launch, process_restarts=self.restarts + restarting)
-        process = self._context.Process(
-            target=run_core, args=(launch, sender, self._stop_requested), name="qwen3tts-core", daemon=False
-        )
+        process = self._context.Process(target=run_core, args=(launch, sender), name="qwen3tts-core", daemon=False)
         process.start()
         sender.close()
         self._process = process
@@ -125,12 +122,14 @@ class EngineProcess:
             os.kill(self._process.pid, signal.SIGKILL)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the core: asked first (it ends its streams and closes), SIGKILLed if it is still there after
-        `timeout` seconds."""
+        """Stop the core: asked first with `STOP_SIGNAL` (it ends its streams and closes; the signals a terminal
+        or systemd send the whole process group wait for this, `core_server._stop_on_signals`), SIGKILLed if it
+        is still there after `timeout` seconds."""
         self._stopping.set()
-        self._stop_requested.set()
         process = self._process
         if process is not None and process.is_alive():
+            with contextlib.suppress(ProcessLookupError):  # it died meanwhile
+                os.kill(process.pid, STOP_SIGNAL)
             process.join(timeout)
             if process.is_alive():
                 process.kill()

@@ -563,9 +563,8 @@ class Scheduler:
         deadline = request.deadline()
         if deadline is None:
             request.first_audio = now
-        else:
-            if self.load.on_delivered(deadline, now, plan.index) and self.load.late_chunks(now):
-                self.stream_limit.on_late(self.holding_streams(), now)
+        elif self.load.on_delivered(deadline, now, plan.index) and self.load.late_chunks(now):
+            self.stream_limit.on_late(self.holding_streams(), now)
         request.delivered_frames = plan.frame_start + plan.n_frames
 
     def audio_streams(self) -> int:
