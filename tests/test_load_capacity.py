@@ -104,6 +104,10 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         assert all(run["server_gauges_after"][name] == 0 for name in LIVE_GAUGES), run["server_gauges_after"]
         # the server counted every `busy` its clients got, by what refused it (warm-up and drain too)
         assert sum(run["engine"]["busy_by_reason"].values()) >= run["errors"].get("busy", 0)
+        # a CPU engine refuses nothing for lateness: no cut, and its stream limit stays off (at every slot)
+        gauges = run["server_gauges_after"]
+        assert run["engine"]["stream_limit_cuts"] == 0
+        assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"] > 0
     passing = [p for p in probes if p["passed"]]
     if passing:
         best = max(passing, key=lambda p: p["rate_per_s"])
