@@ -4,7 +4,8 @@ Late chunks are evidence that the device carries more streams than it can keep o
 refused every new stream while the evidence lasted (a second): the streams live then ran out one by one, the
 device emptied, and when the evidence faded a second's arrivals came in at once, their early chunks late together,
 and the device refused again. Above its capacity such an engine served fewer streams the more were offered (1.7B
-on an H100: 62 a second at 75 req/s, 48 at 100; docs/performance.md, "capacity-e").
+on an H100: 62 a second at 75 req/s, 48 at 100; benchmarks/results/2026-12-06-h100-capacity-e; with this limit 65
+a second at 75, 100 and 120 req/s: 2026-12-06-h100-capacity-f).
 
 Instead the evidence lowers a limit on the streams holding or waiting for a slot, to `BACKOFF` times those there
 when it came (multiplicative decrease), at most once per `CUT_INTERVAL_S` while chunks keep leaving late (one
