@@ -3,16 +3,15 @@
 Late chunks are evidence that the device carries more streams than it can keep on time. The rule before this one
 refused every new stream while the evidence lasted (a second): the streams live then ran out one by one, the
 device emptied, and when the evidence faded a second's arrivals came in at once, their early chunks late together,
-and the device refused again. Above its capacity such an engine served fewer streams the more were offered (1.7B
-on an H100: 62 a second at 75 req/s, 48 at 100; benchmarks/results/2026-12-06-h100-capacity-e; with this limit 65
-a second at 75, 100 and 120 req/s: 2026-12-06-h100-capacity-f).
+and the device refused again. Above its capacity such an engine served fewer streams the more were offered (the
+measurements: docs/engine.md, "Refusing new streams").
 
 Instead the evidence lowers a limit on the streams holding or waiting for a slot, to `BACKOFF` times those there
 when it came (multiplicative decrease), at most once per `CUT_INTERVAL_S` while chunks keep leaving late (one
 excess makes several chunks late over a few frames: one cut, not one per chunk). The limit then climbs back by
 `GROWTH_PER_S` of the engine's slots a second (additive increase) from `HOLD_S` after its last cut, up to every
-slot, where it is off. Admission thus follows the streams the device keeps on time: a new stream comes in as one leaves, not in a
-burst, and the device stays full. The limit is a function of time since its last cut, so that readers on other
+slot, where it is off. Admission thus follows the streams the device keeps on time: a new stream comes in as one
+leaves, not in a burst, and the device stays full. The limit is a function of time since its last cut, so that readers on other
 threads (admission, stats) compute it without the core's thread ever ticking it.
 """
 
