@@ -337,22 +337,17 @@ async def test_a_client_that_stops_reading_through_the_proxy_frees_its_replicas_
     stalled = time.monotonic()
     await wait_until(lambda: live(serve_url) == 0, 60, "the stalled client's stream ended")
     assert time.monotonic() - stalled < PROXY_SEND_TIMEOUT_S + 6  # measured: 2.2 s, and 15 s without the deadline
-    await wait_until(lambda: "closing a WebSocket whose client read nothing" in proxy_stderr_text(), 10,
+    await wait_until(lambda: "closing a WebSocket whose client read nothing" in proxy_log_text("worker-*.err"), 10,
                      "the proxy's log of the connection it aborted")
     ws.transport.abort()
 
 
-def proxy_stderr_text() -> str:
-    """What this cluster's worker processes (Serve's proxies among them) wrote to their stderr so far: where the
-    proxy middleware's own log lines go."""
+def proxy_log_text(files: str = "serve/proxy_*.log") -> str:
+    """What this cluster has logged so far in its log folder's `files`: by default Serve's proxies' own logs (their
+    access lines and their errors); "worker-*.err" is its worker processes' stderr, where the proxy middleware's
+    log lines go."""
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("worker-*.err")))
-
-
-def proxy_log_text() -> str:
-    """What Serve's proxies have logged so far in this cluster (their access lines and their errors)."""
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob("proxy_*.log")))
+    return "".join(path.read_text(errors="replace") for path in sorted(logs.glob(files)))
 
 
 async def test_sessions_that_close_as_done_arrives_end_as_normal_closes_in_the_proxy(serve_url: str) -> None:

@@ -41,7 +41,7 @@ LATE_WINDOW_S = 1.0
 LATE_CHUNKS_TO_SHED = 3
 # For this long after a chunk left late, new streams take no first-frame slot.
 FIRST_FRAME_PAUSE_S = 2.0
-# The evidence `overload_reason` names (the `reason` of the refusals, counted in the server's metrics).
+# The refusal reasons the evidence gives (`Scheduler.refusal_reason`; counted in the server's metrics).
 SLOW_STEPS = "slow_steps"
 LATE_CHUNKS = "late_chunks"
 
@@ -120,16 +120,9 @@ class DeviceLoad:
             return True
 
     def overloaded(self, now: float) -> bool:
-        """Whether the recent evidence says the device runs behind its streams (`overload_reason`)."""
-        return self.overload_reason(now) is not None
-
-    def overload_reason(self, now: float) -> str | None:
-        """What says the device runs behind its streams: `SLOW_STEPS` (the steps of the last `STEP_WINDOW_S`
-        were slow) or `LATE_CHUNKS` (several chunks left late within the last `LATE_WINDOW_S`); None if
-        neither does."""
-        if self.slow_steps(now):
-            return SLOW_STEPS
-        return LATE_CHUNKS if self.late_chunks(now) else None
+        """Whether either piece of evidence says the device runs behind its streams (`slow_steps`, `late_chunks`;
+        the scheduler reads them apart, `Scheduler.refusal_reason`)."""
+        return self.slow_steps(now) or self.late_chunks(now)
 
     def slow_steps(self, now: float) -> bool:
         """Whether the batched steps of the last `STEP_WINDOW_S` took too large a share of a frame's time."""
