@@ -37,7 +37,8 @@
 # replicas alone), ray-1gpu-faults (the two replicas at 20 req/s while one engine-core process and then one replica
 # are SIGKILLed: benchmarks/serving/ray_faults.py), ray-1gpu-autoscale (one half-GPU replica that may become two,
 # --autoscale-on RAY_AUTOSCALE_ON (engine-load; ongoing-requests is Serve's signal), --upscale-delay RAY_UPSCALE_DELAY (10 s), the server's own
-# queue bounds (a full replica refuses), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s (180)) and ray-2gpu (on nvidia-h200-x2, likewise:
+# queue bounds (a full replica refuses), arrivals ramping from 5 to 40 req/s over RAY_RAMP_WINDOW s (180); RAY_SERVE_ARGS adds serve-ray options, RAY_MPS=1 runs it
+# under CUDA MPS) and ray-2gpu (on nvidia-h200-x2, likewise:
 # `serve-ray` with 1 then 2 replicas of synthetic:0.6b, one GPU each, through the Serve endpoint:
 # benchmarks/serving/ray_scaling.sh; RAY_LOAD1 / RAY_LOAD2 override the load of each).
 # Also ray-1gpu-direct (after ray-install, like ray-1gpu: Serve's direct ingress, `serve-ray --direct-ingress`, two
@@ -61,7 +62,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 if [ "$*" = ray-install ]; then  # its call carries .whl/ray alone (64 MiB per call)
   rm -rf .ray-site && $install --target .ray-site .whl/ray/*.whl && PYTHONPATH=.ray-site python3 -c \
-    "import ray, ray.serve; print('ray', ray.__version__, 'installed in .ray-site')" | tee -a "$out/environment.txt"
+    "import ray; print('ray', ray.__version__, 'installed in .ray-site')"  # ray.serve needs the server's wheels | tee -a "$out/environment.txt"
   exit $?
 fi
 [ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl .whl/server/*.whl || exit 1
@@ -87,6 +88,18 @@ ray_ready() {
   [ -f .ray-site/ray/__init__.py ] || { echo "run the ray-install stage first (same warm machine)"; exit 2; }
   [ -f /tmp/official/fastapi/__init__.py ] || $install --target /tmp/official .whl/server/*.whl || exit 1
   checkpoint synthetic:0.6b > /dev/null
+}
+# CMD... under CUDA MPS: one control daemon with pipe and log folders of its own (processes started without
+# CUDA_MPS_PIPE_DIRECTORY never see it; no setting of the GPU changes), quit when CMD is done; its log lands in
+# $out/mps-daemon-log.tgz. Where the machine has no nvidia-cuda-mps-control, says so and runs nothing.
+with_mps() {
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine: skipped"; return 0; }
+  ( export CUDA_MPS_PIPE_DIRECTORY=/tmp/qwen3tts-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qwen3tts-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || exit 1
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    "$@" )
+  tar czf "$out/mps-daemon-log.tgz" -C /tmp/qwen3tts-mps log
 }
 # benchmarks/serving/ray_scaling.sh on this one GPU into $out/NAME, with the one-GPU stages' load; the VAR=value
 # arguments after NAME say how the deployments differ (replica counts, GPUs, direct ingress)
@@ -262,24 +275,20 @@ for stage in "$@"; do
       ray_ready
       ray_1gpu_load ray-1gpu-direct DIRECT=1 GPUS_PER_DEPLOYMENT=1 PORT=18203 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2 1}" ;;
     ray-1gpu-mps)
-      # the two half-GPU replicas of ray-1gpu-direct under CUDA MPS: one control daemon, a user process with pipe and
-      # log folders of its own (processes started without CUDA_MPS_PIPE_DIRECTORY never see it; no setting of the
-      # GPU changes), so the replicas' kernels run at once instead of by turns; quit when the load is done.
-      # RAY_MPS_INGRESS="direct proxy" also runs them through Serve's proxy (ray-1gpu's ingress; default: direct)
+      # the two half-GPU replicas of ray-1gpu-direct under CUDA MPS (with_mps), so the replicas' kernels run at once
+      # instead of by turns. RAY_MPS_INGRESS="direct proxy" also runs them through Serve's proxy (ray-1gpu's
+      # ingress; default: direct)
       ray_ready
-      command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine: skipped"; continue; }
-      ( export CUDA_MPS_PIPE_DIRECTORY=/tmp/qwen3tts-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qwen3tts-mps/log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d || exit 1
-        trap 'echo quit | nvidia-cuda-mps-control' EXIT
+      mps_ingress() {
         for ingress in ${RAY_MPS_INGRESS:-direct}; do
           case $ingress in
             direct) ray_1gpu_load ray-1gpu-mps DIRECT=1 GPUS_PER_DEPLOYMENT=1 PORT=18204 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2}" ;;
             proxy) ray_1gpu_load ray-1gpu-mps-proxy NUM_GPUS=0.5 PORT=18205 REPLICA_COUNTS="${RAY_REPLICA_COUNTS:-2}" ;;
             *) echo "RAY_MPS_INGRESS: direct or proxy, not $ingress" ;;
           esac
-        done )
-      tar czf "$out/ray-1gpu-mps-daemon-log.tgz" -C /tmp/qwen3tts-mps log ;;
+        done
+      }
+      with_mps mps_ingress ;;
     ray-1gpu-faults)
       # the same two replicas at 20 req/s: one engine-core process SIGKILLed, then one replica's actor process
       ray_ready
@@ -294,20 +303,24 @@ for stage in "$@"; do
           2>&1 | tail -60 | tee "$out/ray-1gpu-faults.log"
         kill -INT $server; wait $server ) ;;
     ray-1gpu-autoscale)
-      # one half-GPU replica, a second allowed: arrivals ramp from 5 to 40 req/s (benchmarks/serving/ray_faults.py)
+      # one half-GPU replica, a second allowed: arrivals ramp from 5 to 40 req/s (benchmarks/serving/ray_faults.py);
+      # RAY_MPS=1 runs it under CUDA MPS (with_mps)
       ray_ready
-      ( export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
+      autoscale() {
+        export PYTHONPATH="/tmp/official:$PWD/.ray-site:$PWD" PATH="$PWD/.ray-site/bin:$PATH"
         python3 -m qwen3tts_agent.cli serve-ray --model synthetic:0.6b --min-replicas 1 --max-replicas 2 \
           --autoscale-on ${RAY_AUTOSCALE_ON:-engine-load} --upscale-delay ${RAY_UPSCALE_DELAY:-10} \
           --look-back-period 10 --num-gpus 0.5 --num-cpus 4 --engine-core process \
           ${RAY_SERVE_ARGS:-} --port 18202 --max-sessions 100000 \
           --log-level warning > "$out/serve-ray-autoscale.log" 2>&1 &
-        server=$!
+        local server=$!
         for _ in $(seq 600); do curl -sf http://127.0.0.1:18202/ready > /dev/null && break; sleep 1; done
         python3 -m benchmarks.serving.ray_faults autoscale --url ws://127.0.0.1:18202 --rate 5 --ramp-to 40 \
           --duration ${RAY_RAMP_WINDOW:-180} --settle 10 --out "$out/ray-1gpu-autoscale.json" \
           2>&1 | tail -60 | tee "$out/ray-1gpu-autoscale.log"
-        kill -INT $server; wait $server ) ;;
+        kill -INT $server; wait $server
+      }
+      if [ "${RAY_MPS:-0}" = 1 ]; then with_mps autoscale; else ( autoscale ); fi ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
