@@ -82,7 +82,7 @@ class DeviceLoad:
 
     def record_step_time(self, seconds: float, now: float) -> None:
         """A batched step that ended at `now` took `seconds` on the device: steps near a frame's duration leave
-        streams no headroom (`overloaded`), and a pressed stream's frames come one batched step each
+        streams no headroom (`slow_steps`), and a pressed stream's frames come one batched step each
         (`Scheduler.pace_release`). The core leaves out the first-frame slots' steps: a few rows, far quicker
         than a batched step beside them, they would make both figures too low under load."""
         with self._lock:
@@ -118,11 +118,6 @@ class DeviceLoad:
             self._last_late = now
             self._late_at.append(now)
             return True
-
-    def overloaded(self, now: float) -> bool:
-        """Whether either piece of evidence says the device runs behind its streams (`slow_steps`, `late_chunks`;
-        the scheduler reads them apart, `Scheduler.refusal_reason`)."""
-        return self.slow_steps(now) or self.late_chunks(now)
 
     def slow_steps(self, now: float) -> bool:
         """Whether the batched steps of the last `STEP_WINDOW_S` took too large a share of a frame's time."""

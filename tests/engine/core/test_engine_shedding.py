@@ -65,7 +65,7 @@ def test_after_one_slow_step_an_engine_with_nothing_live_admits_the_next_stream(
     load = engine.core.scheduler.load
     now = time.perf_counter()
     assert now - step_ends()[-1] < WINDOW_S and load.step_seconds(now) > SLOW_STEP_S / frames
-    assert load.overloaded(now)  # the device's recent steps say it is behind, yet nothing is live:
+    assert load.slow_steps(now)  # the device's recent steps say it is behind, yet nothing is live:
     assert not engine.stats().overloaded
     pcm, second = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(frames))
     assert second.finish_reason == "max_frames" and second.frames == frames and len(pcm) == frames * 1920

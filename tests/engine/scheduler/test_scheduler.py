@@ -271,7 +271,7 @@ def test_chunks_are_handed_out_most_urgent_first() -> None:
     assert [p.request.request_id for p in plans] == ["c", "b", "a"]  # a first chunk, then by deadline
 
 
-def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_streams_for_a_while() -> None:
+def test_late_chunks_are_counted_and_several_are_evidence_of_load_for_a_while() -> None:
     scheduler = make_scheduler()
     r = make_request("r", schedule=(1,), max_frames=None)
     start(scheduler, r, list(range(20)))
@@ -280,7 +280,7 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
     late = 0.03
     for i in range(LATE_CHUNKS_TO_SHED):
         [chunk] = step(scheduler, 1.0 + i * 0.01)
-        assert not scheduler.load.overloaded(1.0)
+        assert not scheduler.load.late_chunks(1.0)
         scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
     assert scheduler.load.stats.late_chunks == LATE_CHUNKS_TO_SHED
     # the chunks after the first, one frame each, by their place: the second ("1"), the third, the fourth, later
@@ -289,7 +289,7 @@ def test_late_chunks_are_counted_and_several_make_the_scheduler_refuse_new_strea
     # chunk k is due k frames after the first and left k * 30 ms after that
     assert scheduler.load.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
     now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
-    assert scheduler.load.overloaded(now) and not scheduler.load.overloaded(now + LATE_WINDOW_S + 0.5)
+    assert scheduler.load.late_chunks(now) and not scheduler.load.late_chunks(now + LATE_WINDOW_S + 0.5)
 
 
 
@@ -351,12 +351,12 @@ def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:
     load = DeviceLoad()
     for i in range(10):
         load.record_step_time(0.02, 0.02 * i)  # 4x faster than real time
-    assert not load.overloaded(0.2)
+    assert not load.slow_steps(0.2)
     for i in range(10):
         load.record_step_time(0.07, 0.2 + 0.07 * i)  # barely faster than real time: no headroom
     assert load.step_seconds(0.9) == pytest.approx((10 * 0.02 + 10 * 0.07) / 20)
-    assert not load.overloaded(0.9)  # the fast steps still weigh in
-    assert load.overloaded(1.25)  # the last second's steps: nine of 0.07 s
+    assert not load.slow_steps(0.9)  # the fast steps still weigh in
+    assert load.slow_steps(1.25)  # the last second's steps: nine of 0.07 s
 
 
 def test_one_long_step_counts_for_the_step_window_and_then_not_at_all_whether_steps_follow_or_not() -> None:
@@ -366,16 +366,16 @@ def test_one_long_step_counts_for_the_step_window_and_then_not_at_all_whether_st
     idle = DeviceLoad()
     idle.record_step_time(0.01, 99.0)
     idle.record_step_time(25.0, 100.0)  # nothing steps after it
-    assert idle.overloaded(100.0) and idle.overloaded(100.0 + STEP_WINDOW_S)
-    assert not idle.overloaded(100.0 + STEP_WINDOW_S + 0.001) and idle.step_seconds(100.0 + STEP_WINDOW_S + 0.001) == 0.0
+    assert idle.slow_steps(100.0) and idle.slow_steps(100.0 + STEP_WINDOW_S)
+    assert not idle.slow_steps(100.0 + STEP_WINDOW_S + 0.001) and idle.step_seconds(100.0 + STEP_WINDOW_S + 0.001) == 0.0
     busy = DeviceLoad()
     busy.record_step_time(25.0, 100.0)
     ends = [100.0 + 0.02 * (i + 1) for i in range(100)]  # fast steps go on for two seconds after it
     for end in ends:
         busy.record_step_time(0.02, end)
         if end <= 100.0 + STEP_WINDOW_S:
-            assert busy.overloaded(end), end
-    assert not busy.overloaded(ends[-1]) and busy.step_seconds(ends[-1]) == pytest.approx(0.02)
+            assert busy.slow_steps(end), end
+    assert not busy.slow_steps(ends[-1]) and busy.step_seconds(ends[-1]) == pytest.approx(0.02)
 
 
 def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries() -> None:
@@ -383,8 +383,8 @@ def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries()
     for i in range(LATE_CHUNKS_TO_SHED):
         load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i, chunk_index=4 + i)  # the stream's chunks left late
     last = 10.1 + 0.01 * (LATE_CHUNKS_TO_SHED - 1)
-    assert load.overloaded(last) and load.first_frames_paused(last)
-    assert not load.overloaded(last + LATE_WINDOW_S + 0.001)  # nothing delivered since: it fades all the same
+    assert load.late_chunks(last) and load.first_frames_paused(last)
+    assert not load.late_chunks(last + LATE_WINDOW_S + 0.001)  # nothing delivered since: it fades all the same
     assert load.first_frames_paused(last + FIRST_FRAME_PAUSE_S - 0.001)
     assert not load.first_frames_paused(last + FIRST_FRAME_PAUSE_S)
     assert load.stats.late_chunks == LATE_CHUNKS_TO_SHED  # the counters keep every late chunk
@@ -399,10 +399,10 @@ def test_chunks_late_within_the_shedding_tolerance_are_counted_but_refuse_nothin
     assert load.stats.late_chunks == 2 * LATE_CHUNKS_TO_SHED and load.stats.late_by_index["1"] == 2 * LATE_CHUNKS_TO_SHED
     assert load.stats.underrun_seconds == pytest.approx(2 * LATE_CHUNKS_TO_SHED * 0.019)
     now = 10.02 + 0.01 * (2 * LATE_CHUNKS_TO_SHED)
-    assert not load.overloaded(now) and not load.first_frames_paused(now)
+    assert not load.late_chunks(now) and not load.first_frames_paused(now)
     for i in range(LATE_CHUNKS_TO_SHED):
         load.on_delivered(deadline=11.0, now=11.021 + 0.001 * i, chunk_index=2)  # 21 ms late and more
-    assert load.overloaded(11.03) and load.first_frames_paused(11.03)
+    assert load.late_chunks(11.03) and load.first_frames_paused(11.03)
     assert load.stats.late_chunks == 3 * LATE_CHUNKS_TO_SHED
     with pytest.raises(ValueError, match="shed_lateness_s"):
         DeviceLoad(shed_lateness_s=-0.001)
@@ -413,7 +413,7 @@ def test_an_engine_with_nothing_live_admits_whatever_its_recent_steps_say() -> N
     once one is, the same evidence counts again."""
     scheduler = make_scheduler()
     scheduler.load.record_step_time(25.0, 1.0)
-    assert scheduler.load.overloaded(1.1) and not scheduler.overloaded(1.1)
+    assert scheduler.load.slow_steps(1.1) and not scheduler.overloaded(1.1)
     r = make_request("r", max_frames=2)
     start(scheduler, r, [5, 6], now=1.1)
     assert scheduler.overloaded(1.1)  # a stream is live: the device's last second of steps was slow
@@ -434,7 +434,8 @@ def test_a_request_kept_waiting_for_a_slot_refuses_new_streams_until_it_has_one(
     scheduler.add(queued)
     assert scheduler.admit(1.0) == [] and scheduler.slot_wait(1.0) == 0.0
     assert scheduler.slot_wait(1.05) == pytest.approx(0.05) and not scheduler.overloaded(1.05)
-    assert scheduler.overloaded(1.0 + SLOT_WAIT_TO_SHED_S) and not scheduler.load.overloaded(1.0 + SLOT_WAIT_TO_SHED_S)
+    waited = 1.0 + SLOT_WAIT_TO_SHED_S
+    assert scheduler.overloaded(waited) and not scheduler.load.slow_steps(waited) and not scheduler.load.late_chunks(waited)
     scheduler.finish(scheduler.get("r0"), FinishReason.CANCELLED)  # no step in flight: its slot is free at once
     assert scheduler.admit(1.2) == [queued]
     assert scheduler.slot_wait(1.2) == 0.0 and not scheduler.overloaded(1.2)
