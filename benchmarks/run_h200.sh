@@ -91,7 +91,7 @@ ray_ready() {
 }
 # CMD... under CUDA MPS: one control daemon with pipe and log folders of its own (processes started without
 # CUDA_MPS_PIPE_DIRECTORY never see it; no setting of the GPU changes), quit when CMD is done; its log lands in
-# $out/mps-daemon-log.tgz. Where the machine has no nvidia-cuda-mps-control, says so and runs nothing.
+# $out/mps-daemon-log-STAGE.tgz. Where the machine has no nvidia-cuda-mps-control, says so and runs nothing.
 with_mps() {
   command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine: skipped"; return 0; }
   ( export CUDA_MPS_PIPE_DIRECTORY=/tmp/qwen3tts-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/qwen3tts-mps/log
@@ -99,7 +99,7 @@ with_mps() {
     nvidia-cuda-mps-control -d || exit 1
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
     "$@" )
-  tar czf "$out/mps-daemon-log.tgz" -C /tmp/qwen3tts-mps log
+  tar czf "$out/mps-daemon-log-$stage.tgz" -C /tmp/qwen3tts-mps log
 }
 # benchmarks/serving/ray_scaling.sh on this one GPU into $out/NAME, with the one-GPU stages' load; the VAR=value
 # arguments after NAME say how the deployments differ (replica counts, GPUs, direct ingress)
