@@ -39,8 +39,11 @@ system-packages:
 demo: setup
 	$(VENV)/bin/qwen3tts-agent say "Hello there, how can I help?" --model synthetic:tiny --out hello.wav
 
+# Two pytest workers (pytest-xdist), one file each at a time (a file's servers and clusters stay in one process),
+# one torch thread each, for CI's 2 cores (docs/design.md, Checks). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup system-packages
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q
+	OMP_NUM_THREADS=$(if $(filter 0,$(TEST_WORKERS)),2,1) $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # ruff over everything; mypy over the package; the engine's import contracts (settings of both in pyproject.toml)
 lint: setup

@@ -60,9 +60,9 @@ out=${1:?output folder}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-if [ "$*" = ray-install ]; then  # its call carries .whl/ray alone (64 MiB per call)
+if [ "$*" = ray-install ]; then  # its call carries .whl/ray alone (64 MiB per call), so not ray.serve's needs
   rm -rf .ray-site && $install --target .ray-site .whl/ray/*.whl && PYTHONPATH=.ray-site python3 -c \
-    "import ray; print('ray', ray.__version__, 'installed in .ray-site')"  # ray.serve needs the server's wheels | tee -a "$out/environment.txt"
+    "import ray; print('ray', ray.__version__, 'installed in .ray-site')" | tee -a "$out/environment.txt"
   exit $?
 fi
 [ -d /tmp/official ] || $install --target /tmp/official .whl/official/*.whl .whl/common/*.whl .whl/server/*.whl || exit 1
