@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve import Application
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.config import AutoscalingConfig
 from ray.serve.request_router import PendingRequest, ReplicaID
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -764,6 +766,12 @@ def test_serve_ray_prints_a_config_that_builds_the_same_settings(capsys: pytest.
     assert (settings.autoscale_on, settings.target_engine_load) == ("engine-load", 0.5)  # the default signal
     autoscaling = deployment_options(settings)["autoscaling_config"]
     assert (autoscaling["upscale_delay_s"], autoscaling["look_back_period_s"]) == (5, 10)
+    # a window no longer than Serve's 10 s metric pushes gets pushes twice within it, which Serve accepts as is
+    assert autoscaling["metrics_interval_s"] == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        AutoscalingConfig(**autoscaling)
+    assert "metrics_interval_s" not in deployment_options(printed("--max-replicas", "3"))["autoscaling_config"]
     assert autoscaling["policy"] == {"policy_function": "qwen3tts_agent.ray.autoscaling:EngineLoadPolicy",
                                      "policy_kwargs": {"target_engine_load": 0.5}}
     assert "target_ongoing_requests" not in autoscaling

@@ -46,7 +46,8 @@ class RayServeSettings:
             not `autoscale_on`: "ongoing-requests", as before this setting existed (`from_dict`).
         target_engine_load: the engine-load policy's target of mean load per replica (0 to 1).
         target_ongoing_requests: the default policy's target of ongoing requests per replica.
-        look_back_period_s: the window over which the autoscaler averages its signal (Serve's default).
+        look_back_period_s: the window over which the autoscaler averages its signal (Serve's default); under
+            20 s, the replicas push their metric to Serve's controller twice a window (`app.deployment_options`).
         upscale_delay_s, downscale_delay_s: how long the autoscaler's decision must hold before it adds or
             removes replicas (Serve's defaults).
         num_gpus, num_cpus: Ray resources each replica reserves (one GPU per engine on a GPU cluster). Below one
