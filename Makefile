@@ -42,8 +42,13 @@ demo: setup
 # Two pytest workers (pytest-xdist), one file each at a time (a file's servers and clusters stay in one process),
 # one torch thread each, for CI's 2 cores (docs/design.md, Checks). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
+ifeq ($(TEST_WORKERS),0)
+PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest -q
+else
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+endif
 test: setup system-packages
-	OMP_NUM_THREADS=$(if $(filter 0,$(TEST_WORKERS)),2,1) $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PYTEST)
 
 # ruff over everything; mypy over the package; the engine's import contracts (settings of both in pyproject.toml)
 lint: setup

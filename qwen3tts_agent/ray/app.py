@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import DEFAULT_METRICS_INTERVAL_S
 
 from .autoscaling import POLICY
 from .metrics import MetricsHub
@@ -21,7 +22,6 @@ ROUTER_CLASS = "qwen3tts_agent.ray.router:LoadAwareRouter"
 ENGINE_DEPLOYMENT = "EngineReplica"
 METRICS_DEPLOYMENT = "MetricsHub"
 API_KEY_ENV = "QWEN3TTS_API_KEY"
-SERVE_METRICS_INTERVAL_S = 10.0  # Serve's default `metrics_interval_s` (ray.serve.config.AutoscalingConfig)
 
 
 def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
@@ -52,10 +52,10 @@ def deployment_options(settings: RayServeSettings) -> dict[str, Any]:
             "downscale_delay_s": settings.downscale_delay_s,
         }
         push_interval = settings.look_back_period_s / 2
-        if push_interval < SERVE_METRICS_INTERVAL_S:
-            # Serve pushes each replica's metric to its controller every `metrics_interval_s` (10 s) and wants the
-            # look-back window longer than that; a shorter window gets pushes twice within it (the field is
-            # deprecated for environment variables that Ray 2.60 does not read yet: docs/ray.md, Autoscaling)
+        if push_interval < DEFAULT_METRICS_INTERVAL_S:
+            # Serve pushes each replica's metric to its controller every `metrics_interval_s` (10 s by default) and
+            # wants the look-back window longer than that; a shorter window gets pushes twice within it (the field
+            # is deprecated for environment variables that Ray 2.60 does not read yet: docs/ray.md, Autoscaling)
             autoscaling["metrics_interval_s"] = push_interval
         if settings.autoscale_on == "engine-load":
             # Serve applies the delays and min/max to what the policy returns (autoscaling.py's docstring)
