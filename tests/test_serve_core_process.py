@@ -58,12 +58,22 @@ def _core_process(server: subprocess.Popen[bytes]) -> psutil.Process:
     raise AssertionError("no engine-core process found")
 
 
-async def _utterance(port: int, frames: int) -> websockets.ClientConnection:
+async def _session(port: int, frames: int) -> websockets.ClientConnection:
+    """A session started (its worker answered `ready`) with nothing said yet."""
     ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/stream")
     await ws.send(json.dumps({"type": "start", "sampling": {"max_frames": frames, "ignore_eos": True}}))
     assert json.loads(await ws.recv())["type"] == "ready"
+    return ws
+
+
+async def _speak(ws: websockets.ClientConnection) -> None:
     await ws.send(json.dumps({"type": "text", "text": "The engine will go away under this utterance."}))
     await ws.send(json.dumps({"type": "flush"}))
+
+
+async def _utterance(port: int, frames: int) -> websockets.ClientConnection:
+    ws = await _session(port, frames)
+    await _speak(ws)
     return ws
 
 
@@ -160,7 +170,7 @@ async def test_a_killed_api_worker_loses_no_other_workers_streams() -> None:
         deadline = time.monotonic() + 60
         while len(workers) < 2:  # until the two workers each hold one of our sessions
             assert time.monotonic() < deadline, "one worker took every connection for a minute"
-            ws = await _utterance(port, frames=60)
+            ws = await _session(port, frames=60)
             pid = _worker_of(process, ws.local_address[1]).pid
             if pid in workers:  # a worker takes no connection before it is ready
                 await ws.close()
@@ -168,7 +178,11 @@ async def test_a_killed_api_worker_loses_no_other_workers_streams() -> None:
             else:
                 workers[pid] = ws
         (doomed_pid, doomed), (_, survivor) = workers.items()
-        for ws in workers.values():
+        # both speak only now, and the doomed worker dies as its first audio arrives: a stream spoken while the
+        # search above waited for the second worker could end (`done` in the socket's buffer) before the kill
+        for ws in (survivor, doomed):
+            await _speak(ws)
+        for ws in (survivor, doomed):
             first = await asyncio.wait_for(ws.recv(), 60)
             assert isinstance(first, str) and json.loads(first)["type"] == "audio"
         psutil.Process(doomed_pid).send_signal(signal.SIGKILL)
