@@ -93,7 +93,6 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
     # one window per probe, kept in the runs at that rate; the first at --capacity-from, at most --capacity-steps
     assert 1 <= len(probes) <= 3 and probes[0]["rate_per_s"] == 2
     assert [p["run"] for p in probes] == list(range(len(report["runs"])))
-    cut_so_far = 0.0
     for probe in probes:
         run = report["runs"][probe["run"]]
         assert run["rate_per_s"] == probe["rate_per_s"] and run["transport"] == "ws"
@@ -105,15 +104,10 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         assert all(run["server_gauges_after"][name] == 0 for name in LIVE_GAUGES), run["server_gauges_after"]
         # the server counted every `busy` its clients got, by what refused it (warm-up and drain too)
         assert sum(run["engine"]["busy_by_reason"].values()) >= run["errors"].get("busy", 0)
-        # the stream limit is cut only on the delivery of a late chunk (on this shared 2-core machine chunks may
-        # leave late), and stays off, at every slot, until a window has cut it
+        # a CPU engine refuses nothing for lateness: its stream limit stays off (at every slot) and is never cut
         gauges = run["server_gauges_after"]
-        cuts = run["engine"]["stream_limit_cuts"]
-        cut_so_far += cuts
-        assert 0 <= cuts <= sum(run["engine"]["late_chunks_by_index"].values())
-        assert 1 <= gauges["qwen3tts_engine_stream_limit"] <= gauges["qwen3tts_engine_max_streams"]
-        if not cut_so_far:
-            assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"]
+        assert run["engine"]["stream_limit_cuts"] == 0
+        assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"] > 0
     passing = [p for p in probes if p["passed"]]
     if passing:
         best = max(passing, key=lambda p: p["rate_per_s"])

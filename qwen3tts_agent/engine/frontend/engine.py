@@ -444,8 +444,11 @@ class Engine(EngineFrontend):
             late_by_index=dict(scheduler.load.stats.late_by_index),
             overloaded=refusal is not None,
             refusal_reason=refusal,
-            stream_limit=int(scheduler.stream_limit.limit(time.perf_counter())),
-            stream_limit_cuts=scheduler.stream_limit.cuts,
+            # the limit admission applies: an engine that does not shed (the CPU's default) takes on every slot,
+            # whatever its late chunks would have cut
+            stream_limit=int(scheduler.stream_limit.limit(time.perf_counter())) if self.shed_when_behind
+            else self.max_streams,
+            stream_limit_cuts=scheduler.stream_limit.cuts if self.shed_when_behind else 0,
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

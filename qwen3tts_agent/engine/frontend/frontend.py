@@ -118,8 +118,10 @@ class EngineStats:
     late_by_index: dict[str, int] = field(default_factory=dict)
     overloaded: bool = False  # new streams are refused now: slow steps, the late-chunk limit or a slot wait
     refusal_reason: str | None = None  # ... by which rule: "slow_steps", "late_chunks" or "slot_wait"
-    stream_limit: int = 0  # streams taken on while chunks leave late (max_streams: no limit; 0: no core to ask)
-    stream_limit_cuts: int = 0  # times late chunks lowered it
+    # streams taken on while chunks leave late (max_streams: no limit, as always without `shed_when_behind`;
+    # 0: no core to ask)
+    stream_limit: int = 0
+    stream_limit_cuts: int = 0  # times late chunks lowered it (0 without `shed_when_behind`)
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
     device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run

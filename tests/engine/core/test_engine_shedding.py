@@ -129,3 +129,21 @@ def test_a_request_kept_waiting_for_a_slot_refuses_new_streams_until_it_has_one(
     pcm, result = engine.synthesize_blocking(TEXT, voice=voice, sampling=_sampling(4))
     assert result.finish_reason == "max_frames" and len(pcm) == 4 * 1920
     holders[1].cancel()
+
+
+@pytest.mark.parametrize("shed", [True, False])
+def test_the_stream_limit_in_the_stats_is_the_one_admission_applies(shed: bool) -> None:
+    """Late chunks cut the stream limit of an engine that sheds, and its stats show the cut; an engine that does
+    not (the CPU's default) takes on every slot whatever its chunks' lateness, and its stats say so. (A shared
+    CPU's chunks do leave late: CI's capacity run through `serve` saw its scheduler cut twice.)"""
+    engine = engine_for("synthetic:tiny", max_streams=4, shed_when_behind=shed)
+    try:
+        limit = engine.core.scheduler.stream_limit
+        assert limit.on_late(streams=4, now=time.perf_counter())  # the evidence of three late chunks, as the core books it
+        stats = engine.stats()
+        if shed:
+            assert (stats.stream_limit, stats.stream_limit_cuts) == (3, 1)  # 90 % of the 4 streams there
+        else:
+            assert (stats.stream_limit, stats.stream_limit_cuts) == (stats.max_streams, 0) == (4, 0)
+    finally:
+        engine.close()
