@@ -6,7 +6,8 @@ times do not depend on the values), captures the streaming decode as CUDA graphs
 shapes as the engine does, and for each: the replay's time (CUDA events, median of 30), and from one profiled
 replay (CUPTI through torch.profiler) every kernel's name and time, grouped by kind (convolutions, GEMMs, the
 fused Triton kernels, elementwise, copies and gathers). The replay's time less the kernels' sum is the time
-between kernels.
+between kernels. Both weight layouts are measured: the modules' own (the engine's default), which cuDNN transposes
+in every call, and channels-last copies (`StreamingCodecDecoder(channels_last=True)`, docs/gpu.md).
 
     python -m benchmarks.kernels.profile_codec --out codec-profile.json
 """
@@ -30,6 +31,7 @@ from qwen3tts_agent.models.synthetic_configs import speech_tokenizer_config
 
 # Kernel kinds, first match wins (names as CUPTI reports them: cuDNN, cuBLAS, ATen's and Triton's kernels).
 KINDS = (
+    ("cudnn transpose", re.compile(r"nchwToNhwc|nhwcToNchw", re.I)),  # cuDNN's layout changes around a convolution
     ("conv", re.compile(r"conv|implicit|cudnn|winograd|fft|dgrad|wgrad|xmma|sm\d+_xmma|cutlass.*conv", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cublas|cutlass|ampere|hopper|sm90|nvjet", re.I)),
     ("triton", re.compile(r"^(?!void )[\w]+$")),  # a Triton kernel is named by its Python function alone
@@ -91,26 +93,29 @@ def main() -> None:
     frames = sorted({t for _, t in shapes})
 
     decoder = build_decoder(args.size).to("cuda", torch.bfloat16)
-    codec = StreamingCodecDecoder(decoder, max_streams=streams[-1])
-    log(f"codec transformer: {codec.transformer_path}")
-    graphs = GraphedCodecDecode(codec, scratch_start=0, batch_buckets=streams, frame_sizes=frames)
-    graphs.capture(progress=False)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "size": args.size, "shapes": {}}
-    with torch.cuda.stream(torch.cuda.Stream()):
-        for b, t in shapes:
-            graph, _ = graphs._graphs[(b, t)]
-            replay_ms = median_ms(graph.replay)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                graph.replay()
+                              "cudnn": torch.backends.cudnn.version(), "size": args.size, "layouts": {}}
+    for layout, channels_last in (("module weights", False), ("channels-last weights", True)):
+        codec = StreamingCodecDecoder(decoder, max_streams=streams[-1], channels_last=channels_last)
+        log(f"{layout}: codec transformer {codec.transformer_path}")
+        graphs = GraphedCodecDecode(codec, scratch_start=0, batch_buckets=streams, frame_sizes=frames)
+        graphs.capture(progress=False)
+        results = report["layouts"][layout] = {}
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for b, t in shapes:
+                graph, _ = graphs._graphs[(b, t)]
+                replay_ms = median_ms(graph.replay)
                 torch.cuda.synchronize()
-            report["shapes"][f"{b}x{t}"] = summary = summarize(kernel_table(prof), replay_ms)
-            args.out.write_text(json.dumps(report, indent=2) + "\n")  # what a cut-short run measured
-            kinds = ", ".join(f"{kind} {v['count']:.0f} / {v['us'] / 1000:.2f} ms" for kind, v in summary["by_kind"].items())
-            log(f"{b}x{t}: replay {replay_ms:.2f} ms, {summary['kernels']} kernels, sum {summary['kernel_sum_ms']:.2f} ms"
-                f" ({kinds})")
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    graph.replay()
+                    torch.cuda.synchronize()
+                results[f"{b}x{t}"] = summary = summarize(kernel_table(prof), replay_ms)
+                args.out.write_text(json.dumps(report, indent=2) + "\n")  # what a cut-short run measured
+                kinds = ", ".join(f"{kind} {v['count']:.0f} / {v['us'] / 1000:.2f} ms" for kind, v in summary["by_kind"].items())
+                log(f"{layout} {b}x{t}: replay {replay_ms:.2f} ms, {summary['kernels']} kernels, "
+                    f"sum {summary['kernel_sum_ms']:.2f} ms ({kinds})")
+        del graphs, codec
+        torch.cuda.empty_cache()
     log(f"wrote {args.out}")
 
 

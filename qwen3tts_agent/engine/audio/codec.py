@@ -16,7 +16,10 @@ Shapes depend only on the call's (slots, frames), never on a stream's history, a
 index_select / index_copy_ on a slot tensor, so one call can be captured as a CUDA graph per bucket.
 
 On a GPU the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten launches a layer instead
-of sixty; equal to the official layers to float rounding) on the same state.
+of sixty; equal to the official layers to float rounding) on the same state. cuDNN's tensor-core kernels read
+channels-last weights and transpose the modules' own in every call; `channels_last=True` runs the convolutions on
+copies laid out that way instead (`channels_last_weight`), an option until measured (docs/gpu.md, "Codec
+convolutions").
 """
 
 from __future__ import annotations
@@ -68,8 +71,25 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 PHASE_SPLIT_MIN_DILATION = 9
 
 
-def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases.
+def channels_last_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a 1-D convolution's weight [a, b, kernel] with the same shape and values, laid out [a, kernel, b]
+    in memory: the channels-last layout, in which cuDNN reads the weight without transposing it first."""
+    return weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def run_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`conv(x)` with `weight` in place of the module's own (the same values, in any layout; no padding, as every
+    codec conv has), its output time-contiguous: the codec's other ops read rows of time steps."""
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose1d(x, weight, conv.bias, conv.stride, 0, 0, conv.groups, conv.dilation)
+    else:
+        y = F.conv1d(x, weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    return y.contiguous()
+
+
+def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases (with `weight`,
+    the same values as the module's in any layout, where given).
 
     Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
     ordinary convolution's input: the phases go into the batch, and their outputs interleave back. The sums
@@ -81,7 +101,7 @@ def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     steps = -(-out_len // d) + k - 1  # per phase, padded so that every phase has whole outputs
     phases = F.pad(x, (0, d * steps - length)).view(batch, channels, steps, d)
     phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, steps)
-    y = F.conv1d(phases, conv.weight, conv.bias)  # [batch * d, out, steps - k + 1]
+    y = F.conv1d(phases, conv.weight if weight is None else weight, conv.bias).contiguous()  # [batch * d, out, steps - k + 1]
     y = y.view(batch, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(batch, y.shape[1], -1)
     return y[..., :out_len].contiguous()
 
@@ -97,13 +117,18 @@ class StreamingCodecDecoder:
     (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
-    def __init__(self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None) -> None:
+    def __init__(
+        self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None,
+        channels_last: bool = False,
+    ) -> None:
         """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`.
 
         `fused_transformer`: run the transformer on the `kernels.codec_layer` kernels (`FusedCodecTransformer`,
         equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
         under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
         True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
+        `channels_last`: run the ungrouped convolutions wider than one step on a channels-last copy of their
+        weights (`channels_last_weight`; about 106 MiB in bf16 with the released shapes).
         """
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
@@ -145,6 +170,11 @@ class StreamingCodecDecoder:
         off = support.reason or "fused transformer off"
         self.transformer_path = "triton" if self._fused is not None else f"pytorch ({off})"
         self.prime_frames = self._audio_lookback()
+        self._weights: dict[nn.Module, torch.Tensor] = {}  # the convolutions' channels-last weights, if asked
+        for module in self._convs if channels_last else ():
+            conv = module.conv
+            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)) and conv.groups == 1 and conv.kernel_size[0] > 1:
+                self._weights[module] = channels_last_weight(conv.weight)
         self._phase_split = {
             module for module in self._convs
             if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
@@ -294,7 +324,8 @@ class StreamingCodecDecoder:
         history = self._convs[module]
         conv = module.conv
         full = history.extend(slots, x)
-        y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
+        weight = self._weights.get(module, conv.weight)
+        y = phase_split_conv(conv, full, weight) if module in self._phase_split else run_conv(conv, full, weight)
         if isinstance(conv, nn.ConvTranspose1d):
             # Outputs of the history samples are already out; those past the chunk wait for the next input.
             stride = conv.stride[0]

@@ -136,6 +136,20 @@ def test_chunk_schedules(decoder, codes, reference, schedule):
     assert _max_error(audio, reference) < TOLERANCE
 
 
+def test_channels_last_weights_decode_the_same_audio(decoder, codes, reference):
+    """`channels_last`: every ungrouped convolution wider than one step, transposed and phase-split ones included,
+    reads a channels-last copy of its weights, and the chunks still equal the official decode."""
+    codec = StreamingCodecDecoder(decoder, max_streams=3, channels_last=True)
+    convs = [m.conv for m in codec._convs if m.conv.groups == 1 and m.conv.kernel_size[0] > 1]
+    assert len(codec._weights) == len(convs) and codec._phase_split and set(codec._phase_split) <= set(codec._weights)
+    for module, weight in codec._weights.items():
+        assert torch.equal(weight, module.conv.weight) and weight.stride(1) == 1 and weight.stride(2) == weight.shape[1]
+    assert not StreamingCodecDecoder(decoder, max_streams=1)._weights  # by default, the modules' own weights
+    rng = random.Random(3)
+    audio = _stream(codec, [0, 1, 2], codes, _schedule(FRAMES, [rng.randint(1, 13) for _ in range(FRAMES)]))
+    assert _max_error(audio, reference) < TOLERANCE
+
+
 def test_streams_at_different_points_share_a_batch(decoder, codes, reference):
     """Slot 0 is 30 frames in when slot 2 starts; decoded together, neither sees the other's state."""
     codec = StreamingCodecDecoder(decoder, max_streams=3)
