@@ -6,8 +6,9 @@ times do not depend on the values), captures the streaming decode as CUDA graphs
 shapes as the engine does, and for each: the replay's time (CUDA events, median of 30), and from one profiled
 replay (CUPTI through torch.profiler) every kernel's name and time, grouped by kind (convolutions, GEMMs, the
 fused Triton kernels, elementwise, copies and gathers). The replay's time less the kernels' sum is the time
-between kernels. Both weight layouts are measured: the modules' own (the engine's default), which cuDNN transposes
-in every call, and channels-last copies (`StreamingCodecDecoder(channels_last=True)`, docs/gpu.md).
+between kernels. Both layouts are measured: time-contiguous activations and the modules' own weights (the engine's
+default), which cuDNN transposes around every convolution, and `StreamingCodecDecoder(channels_last=True)`
+(docs/gpu.md, "Codec convolutions").
 
     python -m benchmarks.kernels.profile_codec --out codec-profile.json
 """
@@ -95,7 +96,7 @@ def main() -> None:
     decoder = build_decoder(args.size).to("cuda", torch.bfloat16)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "cudnn": torch.backends.cudnn.version(), "size": args.size, "layouts": {}}
-    for layout, channels_last in (("module weights", False), ("channels-last weights", True)):
+    for layout, channels_last in (("time-contiguous", False), ("channels-last", True)):
         codec = StreamingCodecDecoder(decoder, max_streams=streams[-1], channels_last=channels_last)
         log(f"{layout}: codec transformer {codec.transformer_path}")
         graphs = GraphedCodecDecode(codec, scratch_start=0, batch_buckets=streams, frame_sizes=frames)

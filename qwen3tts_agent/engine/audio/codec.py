@@ -16,10 +16,14 @@ Shapes depend only on the call's (slots, frames), never on a stream's history, a
 index_select / index_copy_ on a slot tensor, so one call can be captured as a CUDA graph per bucket.
 
 On a GPU the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten launches a layer instead
-of sixty; equal to the official layers to float rounding) on the same state. cuDNN's tensor-core kernels read
-channels-last weights and transpose the modules' own in every call; `channels_last=True` runs the convolutions on
-copies laid out that way instead (`channels_last_weight`), an option until measured (docs/gpu.md, "Codec
-convolutions").
+of sixty; equal to the official layers to float rounding) on the same state.
+
+Layouts. By default the activations are [batch, channels, time] with time contiguous, as the modules compute them.
+cuDNN's tensor-core kernels read channels-last activations and weights, so each convolution call transposes its
+input, its weights and its output. `channels_last=True` keeps them channels-last instead, through the frame-rate
+convolution and the whole audio-rate half: the weights copied once (`channels_last_weight`), the conv histories,
+the activations between the ops (the same logical [batch, channels, time] tensors, channels contiguous in memory)
+and the SnakeBeta kernels. An option until measured on a GPU (docs/gpu.md, "Codec convolutions").
 """
 
 from __future__ import annotations
@@ -59,6 +63,28 @@ class SlotHistory:
         return full
 
 
+class ChannelsLastHistory(SlotHistory):
+    """A convolution's input history kept channels-last: `rows` [slots, steps, channels] in memory, `buffer` the
+    same memory seen as [slots, channels, steps]. `extend` takes [B, C, T] in any layout and returns the history
+    followed by it, channels-last."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        super().__init__(rows.transpose(1, 2), dim=-1)
+        self.rows = rows
+
+    def extend(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 0:
+            return x
+        full = torch.cat([self.rows.index_select(0, slots), x.transpose(1, 2)], dim=1)
+        self.rows.index_copy_(0, slots, full[:, -self.size :])
+        return full.transpose(1, 2)
+
+
+def channels_last_dense(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T] as a dense tensor with channels contiguous (x itself where it is one already)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as the official `apply_rotary_pos_emb` (rotate-half layout); x [B, H, T, D], cos/sin [B, 1, T, D]."""
     half = x.shape[-1] // 2
@@ -74,22 +100,19 @@ PHASE_SPLIT_MIN_DILATION = 9
 def channels_last_weight(weight: torch.Tensor) -> torch.Tensor:
     """A copy of a 1-D convolution's weight [a, b, kernel] with the same shape and values, laid out [a, kernel, b]
     in memory: the channels-last layout, in which cuDNN reads the weight without transposing it first."""
-    return weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    return channels_last_dense(weight.detach())
 
 
 def run_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`conv(x)` with `weight` in place of the module's own (the same values, in any layout; no padding, as every
-    codec conv has), its output time-contiguous: the codec's other ops read rows of time steps."""
+    codec conv has). The output's layout is the backend's choice."""
     if isinstance(conv, nn.ConvTranspose1d):
-        y = F.conv_transpose1d(x, weight, conv.bias, conv.stride, 0, 0, conv.groups, conv.dilation)
-    else:
-        y = F.conv1d(x, weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
-    return y.contiguous()
+        return F.conv_transpose1d(x, weight, conv.bias, conv.stride, 0, 0, conv.groups, conv.dilation)
+    return F.conv1d(x, weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
 
-def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases (with `weight`,
-    the same values as the module's in any layout, where given).
+def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases.
 
     Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
     ordinary convolution's input: the phases go into the batch, and their outputs interleave back. The sums
@@ -101,9 +124,23 @@ def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor | No
     steps = -(-out_len // d) + k - 1  # per phase, padded so that every phase has whole outputs
     phases = F.pad(x, (0, d * steps - length)).view(batch, channels, steps, d)
     phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, steps)
-    y = F.conv1d(phases, conv.weight if weight is None else weight, conv.bias).contiguous()  # [batch * d, out, steps - k + 1]
+    y = F.conv1d(phases, conv.weight, conv.bias)  # [batch * d, out, steps - k + 1]
     y = y.view(batch, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(batch, y.shape[1], -1)
     return y[..., :out_len].contiguous()
+
+
+def phase_split_conv_channels_last(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`phase_split_conv` for channels-last x [B, C, T] and weight (`channels_last_weight`), the output
+    channels-last: the phases are split and interleaved along the rows of time steps."""
+    d, k = conv.dilation[0], conv.kernel_size[0]
+    batch, channels, length = x.shape
+    out_len = length - (k - 1) * d
+    steps = -(-out_len // d) + k - 1
+    rows = F.pad(x.transpose(1, 2), (0, 0, 0, d * steps - length))  # [batch, d * steps, channels]
+    phases = rows.view(batch, steps, d, channels).transpose(1, 2).reshape(batch * d, steps, channels)
+    y = channels_last_dense(F.conv1d(phases.transpose(1, 2), weight, conv.bias)).transpose(1, 2)  # [batch * d, steps', out]
+    y = y.view(batch, d, -1, y.shape[-1]).transpose(1, 2).reshape(batch, -1, y.shape[-1])
+    return y[:, :out_len].contiguous().transpose(1, 2)
 
 
 class StreamingCodecDecoder:
@@ -127,8 +164,8 @@ class StreamingCodecDecoder:
         equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
         under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
         True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
-        `channels_last`: run the ungrouped convolutions wider than one step on a channels-last copy of their
-        weights (`channels_last_weight`; about 106 MiB in bf16 with the released shapes).
+        `channels_last`: keep the convolutions' weights (a copy: about 106 MiB in bf16 with the released shapes),
+        histories and activations channels-last (module docstring).
         """
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
@@ -142,13 +179,19 @@ class StreamingCodecDecoder:
         self.samples_per_frame = int(decoder.total_upsample)
         self._window = int(config.sliding_window)
 
+        self.channels_last = channels_last
         self._convs: dict[nn.Module, SlotHistory] = {}
+        self._weights: dict[nn.Module, torch.Tensor] = {}  # channels-last copies of the weights
         for module in decoder.modules():
             conv = getattr(module, "conv", None)
-            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
-                self._convs[module] = SlotHistory(
-                    self._zeros(conv.in_channels, self._conv_history(conv)), dim=-1
-                )
+            if not isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
+                continue
+            history = self._conv_history(conv)
+            if channels_last:
+                self._convs[module] = ChannelsLastHistory(self._zeros(history, conv.in_channels))
+                self._weights[module] = channels_last_weight(conv.weight)
+            else:
+                self._convs[module] = SlotHistory(self._zeros(conv.in_channels, history), dim=-1)
 
         transformer = decoder.pre_transformer
         self._kv: list[tuple[SlotHistory, SlotHistory]] = []
@@ -170,11 +213,6 @@ class StreamingCodecDecoder:
         off = support.reason or "fused transformer off"
         self.transformer_path = "triton" if self._fused is not None else f"pytorch ({off})"
         self.prime_frames = self._audio_lookback()
-        self._weights: dict[nn.Module, torch.Tensor] = {}  # the convolutions' channels-last weights, if asked
-        for module in self._convs if channels_last else ():
-            conv = module.conv
-            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)) and conv.groups == 1 and conv.kernel_size[0] > 1:
-                self._weights[module] = channels_last_weight(conv.weight)
         self._phase_split = {
             module for module in self._convs
             if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
@@ -324,8 +362,12 @@ class StreamingCodecDecoder:
         history = self._convs[module]
         conv = module.conv
         full = history.extend(slots, x)
-        weight = self._weights.get(module, conv.weight)
-        y = phase_split_conv(conv, full, weight) if module in self._phase_split else run_conv(conv, full, weight)
+        if not self.channels_last:
+            y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
+        elif module in self._phase_split:
+            y = phase_split_conv_channels_last(conv, full, self._weights[module])
+        else:
+            y = channels_last_dense(run_conv(conv, full, self._weights[module]))
         if isinstance(conv, nn.ConvTranspose1d):
             # Outputs of the history samples are already out; those past the chunk wait for the next input.
             stride = conv.stride[0]
