@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qwen3tts_agent.kernels import common, decode_layer, gemv
+from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv, snake
 
 ATTENTION_SIGNATURE = {
     **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
@@ -26,10 +26,12 @@ ATTENTION_SIGNATURE = {
 }
 
 
-def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool) -> list[str]:
-    """The kernel compiled for sm_90, as PTX lines; pointers and strides 16-byte aligned."""
+def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool, divisible: tuple[str, ...] = ()) -> list[str]:
+    """The kernel compiled for sm_90, as PTX lines; pointers and strides 16-byte aligned, and the integer arguments
+    `divisible` multiples of 16 (as Triton specializes such arguments when it launches a kernel)."""
     assert not common.interpreting(), "this process compiles the kernels (tests/kernels runs interpreted)"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name.startswith("stride")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+               if kind.startswith("*") or name.startswith("stride") or name in divisible}
     source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"].splitlines()
 
@@ -84,3 +86,24 @@ def test_padded_and_wide_heads_compile(head_dim: int, group: int, splits: int) -
     assert decode_layer.supports(head_dim, group, 1, torch.bfloat16, max_rows=256)
     lines = _ptx(decode_layer._attention_kernel, ATTENTION_SIGNATURE, _attention_constants(head_dim, group, 1, SPLITS=splits), True)
     assert _first(lines, ".entry _attention_kernel") >= 0 and _first(lines, "griddepcontrol.wait") >= 0
+
+
+SNAKE_POINTERS = dict.fromkeys(("x_ptr", "alpha_ptr", "inv_beta_ptr", "out_ptr"), "*bf16")
+
+
+@pytest.mark.parametrize("kernel", ["snake channels-last", "codebook sum"])
+def test_the_codec_kernels_load_and_store_16_bytes_at_a_time(kernel: str) -> None:
+    """The channels-last SnakeBeta tiles and the codebook sum read and write rows of channels (widths a multiple
+    of 16, as the released ones are): one 16-byte vector access per eight bf16 values, not one per value."""
+    if kernel == "snake channels-last":
+        signature = {**SNAKE_POINTERS, "channels": "i32", "length": "i32", "stride_b": "i32", "stride_t": "i32"}
+        constants = dict(TILE_T=snake.TILE_T, TILE_C=snake.TILE_C, LIBDEVICE=True)
+        lines = _ptx(snake._snake_channels_last_kernel, signature, constants, False, divisible=("channels",))
+    else:
+        signature = {"codes_ptr": "*i64", "tables_ptr": "*bf16", "out_ptr": "*bf16", "rows": "i32", "frames": "i32",
+                     "stride_b": "i32", "stride_t": "i32", "stride_q": "i32", "first": "i32", "bins": "i32", "width": "i32"}
+        constants = dict(COUNT=15, BLOCK_ROWS=codebooks.BLOCK_ROWS, BLOCK_WIDTH=codebooks.BLOCK_WIDTH)
+        lines = _ptx(codebooks._codebook_sum_kernel, signature, constants, False, divisible=("width",))
+    accesses = [line for line in lines if "ld.global" in line or "st.global" in line]
+    assert not [line for line in accesses if ".b16" in line], "a bf16 value read or written alone"
+    assert any("st.global.v4" in line for line in accesses) and any("ld.global.v4" in line for line in accesses)

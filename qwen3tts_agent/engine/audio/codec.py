@@ -42,6 +42,7 @@ from ...kernels import common as kernel_common
 from ...kernels import snake as snake_kernel
 from ...models.compat import OfficialModule
 from ..runner import upload
+from .codebooks import CodebookTables
 from .codec_transformer import FusedCodecTransformer
 
 
@@ -176,6 +177,9 @@ class StreamingCodecDecoder:
         self.dtype = weight.dtype
         config = decoder.config
         self.num_quantizers: int = config.num_quantizers
+        self._codebooks = CodebookTables(decoder.quantizer)  # the quantizer's decode, its tables computed once
+        if self._codebooks.num_quantizers != self.num_quantizers:
+            raise ValueError(f"the quantizer has {self._codebooks.num_quantizers} codebooks, the config {self.num_quantizers}")
         self.samples_per_frame = int(decoder.total_upsample)
         self._window = int(config.sliding_window)
 
@@ -337,7 +341,7 @@ class StreamingCodecDecoder:
     def _latent(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Codes [B, T, Q] -> transformer output [B, latent, T] (the frame-rate half of the decoder)."""
         decoder = self._decoder
-        hidden = decoder.quantizer.decode(codes.transpose(1, 2))
+        hidden = self._codebooks.decode(codes)
         hidden = self._conv(decoder.pre_conv, hidden, slots)
         return self._transformer(hidden.transpose(1, 2), slots).transpose(1, 2)
 
