@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv, snake
+from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv, history, snake
 
 ATTENTION_SIGNATURE = {
     **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
@@ -91,14 +91,23 @@ def test_padded_and_wide_heads_compile(head_dim: int, group: int, splits: int) -
 SNAKE_POINTERS = dict.fromkeys(("x_ptr", "alpha_ptr", "inv_beta_ptr", "out_ptr"), "*bf16")
 
 
-@pytest.mark.parametrize("kernel", ["snake channels-last", "codebook sum"])
+@pytest.mark.parametrize("kernel", ["snake channels-last", "codebook sum", "history channels-last"])
 def test_the_codec_kernels_load_and_store_16_bytes_at_a_time(kernel: str) -> None:
-    """The channels-last SnakeBeta tiles and the codebook sum read and write rows of channels (widths a multiple
-    of 16, as the released ones are): one 16-byte vector access per eight bf16 values, not one per value."""
+    """The channels-last SnakeBeta tiles, the codebook sum and the channels-last history read and write rows of
+    channels (widths a multiple of 16, as the released ones are, whatever the history's length): one 16-byte
+    vector access per eight bf16 values, not one per value."""
     if kernel == "snake channels-last":
         signature = {**SNAKE_POINTERS, "channels": "i32", "length": "i32", "stride_b": "i32", "stride_t": "i32"}
         constants = dict(TILE_T=snake.TILE_T, TILE_C=snake.TILE_C, LIBDEVICE=True)
         lines = _ptx(snake._snake_channels_last_kernel, signature, constants, False, divisible=("channels",))
+    elif kernel == "history channels-last":  # the channel strides 1, as Triton specializes a unit stride
+        strides = ["stride_hs", "stride_hc", "stride_ht", "stride_xb", "stride_xc", "stride_xt", "stride_fb", "stride_fc", "stride_ft"]
+        signature = {**dict.fromkeys(("hist_ptr", "x_ptr", "full_ptr"), "*bf16"), "slots_ptr": "*i64", "channels": "i32",
+                     "hist_len": "i32", "x_len": "i32",  # the arguments in order, the unit strides constants
+                     **{name: "constexpr" if name.endswith("c") else "i32" for name in strides}}
+        constants = {**{name: 1 for name in strides if name.endswith("c")},
+                     "BLOCK_C": history.BLOCK_C, "BLOCK_T": history.BLOCK_T, "HIST_P": 64}
+        lines = _ptx(history._extend_kernel, signature, constants, False, divisible=("channels",))
     else:
         signature = {"codes_ptr": "*i64", "tables_ptr": "*bf16", "out_ptr": "*bf16", "rows": "i32", "frames": "i32",
                      "stride_b": "i32", "stride_t": "i32", "stride_q": "i32", "first": "i32", "bins": "i32", "width": "i32"}

@@ -1,4 +1,5 @@
-"""The codebook-sum kernel equals the PyTorch lookups (`engine/audio/codebooks.py`), alone and in the codec.
+"""The codebook-sum kernel equals the PyTorch lookups (`engine/audio/codebooks.py`) (inside the codec:
+tests/kernels/test_snake_kernel.py, `test_streaming_codec_on_its_kernels`).
 
 On a GPU both sides round every partial sum the same way: the results are equal. Under the interpreter bf16 is
 converted by truncation where PyTorch rounds to nearest, so there the reference truncates its partial sums too.
@@ -10,10 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen3tts_agent.engine.audio import StreamingCodecDecoder
-from qwen3tts_agent.engine.audio.codebooks import CodebookTables
 from qwen3tts_agent.kernels import codebooks
-from tests.engine.audio.test_codec_streaming import TOLERANCE, tiny_decoder
 
 
 def _reference(codes: torch.Tensor, first: int, tables: torch.Tensor, truncate: bool = False) -> torch.Tensor:
@@ -45,17 +43,3 @@ def test_the_sum_equals_the_lookups(device: str, dtype: torch.dtype, batch: int,
     got = codebooks.codebook_sum(codes, 1, tables)
     assert got.shape == (batch, frames, width) and got.dtype == dtype
     assert torch.equal(got, expected)
-
-
-def test_the_codec_sums_its_codebooks_with_the_kernel() -> None:
-    """The streaming decoder takes the kernel where Triton runs, and decodes the official audio with it."""
-    torch.set_num_threads(1)
-    decoder = tiny_decoder()
-    codes = torch.randint(0, 2048, (2, 3, 16), generator=torch.Generator().manual_seed(2))
-    codec = StreamingCodecDecoder(decoder, max_streams=2)
-    assert codec._codebooks.path == "triton"
-    with torch.no_grad():
-        reference = decoder(codes.transpose(1, 2)).squeeze(1)
-        streamed = torch.cat([codec.decode([0, 1], codes[:, :1]), codec.decode([0, 1], codes[:, 1:])], dim=-1)
-    assert float((streamed - reference).abs().max()) < TOLERANCE
-    assert CodebookTables(decoder.quantizer).path == "triton"

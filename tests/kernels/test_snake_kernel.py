@@ -62,17 +62,19 @@ def test_activation_equals_the_module(device: str, dtype: torch.dtype, layout: s
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["time-contiguous", "channels-last"])
-def test_streaming_codec_with_fused_activations(channels_last: bool) -> None:
-    """Two chunks through the streaming decoder (fused activations, in either layout) against the official
-    one-shot decode."""
+def test_streaming_codec_on_its_kernels(channels_last: bool) -> None:
+    """Two chunks of two streams through the streaming decoder on every kernel it takes where Triton runs (the
+    activations, the codebook sums, the convolutions' histories), in either layout, against the official one-shot
+    decode."""
     torch.set_num_threads(1)
     decoder = tiny_decoder()
-    codes = torch.randint(0, 2048, (1, 3, 16), generator=torch.Generator().manual_seed(1))
-    codec = StreamingCodecDecoder(decoder, max_streams=1, channels_last=channels_last)
+    codes = torch.randint(0, 2048, (2, 3, 16), generator=torch.Generator().manual_seed(1))
+    codec = StreamingCodecDecoder(decoder, max_streams=3, channels_last=channels_last)
     assert codec._snakes and all(isinstance(f, snake.FusedSnakeBeta) for f in codec._snakes.values())
+    assert codec._codebooks.path == "triton" and all(h._fused for h in codec._convs.values())
     with torch.no_grad():
         reference = decoder(codes.transpose(1, 2)).squeeze(1)
-        streamed = torch.cat([codec.decode([0], codes[:, :2]), codec.decode([0], codes[:, 2:])], dim=-1)
+        streamed = torch.cat([codec.decode([2, 0], codes[:, :1]), codec.decode([2, 0], codes[:, 1:])], dim=-1)
     assert float((streamed - reference).abs().max()) < TOLERANCE
 
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from ...kernels import codec_layer
 from ...kernels import common as kernel_common
+from ...kernels import history as history_kernel
 from ...kernels import snake as snake_kernel
 from ...models.compat import OfficialModule
 from ..runner import upload
@@ -47,17 +48,25 @@ from .codec_transformer import FusedCodecTransformer
 
 
 class SlotHistory:
-    """The most recent input steps of one causal op, per slot, along time dimension `dim`."""
+    """The most recent input steps of one causal op, per slot, along time dimension `dim`.
+
+    A convolution's history ([slots, channels, steps], time last) is continued by one Triton kernel where it
+    runs (`kernels.history`), instead of a gather, a concatenation and a scatter."""
 
     def __init__(self, buffer: torch.Tensor, dim: int) -> None:
         self.buffer = buffer
         self.dim = dim
         self.size = buffer.shape[dim]
+        self._fused = buffer.dim() == 3 and dim in (-1, 2) and bool(history_kernel.supports(buffer))
 
     def extend(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Return the slots' history followed by `x`, and keep the newest `size` steps as the new history."""
         if self.size == 0:
             return x
+        if self._fused:
+            batch, channels, steps = x.shape
+            full = torch.empty(batch, channels, self.size + steps, device=x.device, dtype=x.dtype)
+            return history_kernel.extend_history(self.buffer, slots, x, full)
         full = torch.cat([self.buffer.index_select(0, slots), x], dim=self.dim)
         length = full.shape[self.dim]
         self.buffer.index_copy_(0, slots, full.narrow(self.dim, length - self.size, self.size))
@@ -76,6 +85,10 @@ class ChannelsLastHistory(SlotHistory):
     def extend(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.size == 0:
             return x
+        if self._fused:
+            batch, channels, steps = x.shape
+            full = torch.empty(batch, self.size + steps, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
+            return history_kernel.extend_history(self.buffer, slots, x, full)
         full = torch.cat([self.rows.index_select(0, slots), x.transpose(1, 2)], dim=1)
         self.rows.index_copy_(0, slots, full[:, -self.size :])
         return full.transpose(1, 2)

@@ -1,0 +1,82 @@
+"""A causal convolution's input history, continued in one Triton pass (`extend_history`) instead of three kernels.
+
+The streaming codec keeps each convolution's last `H` input steps per slot (`engine/audio/codec.py`,
+`SlotHistory`): a chunk's convolution reads the slots' histories followed by the chunk, and the last `H` steps of
+that become the new histories. In PyTorch that is a gather of the histories, a concatenation and a scatter back,
+three kernels per convolution and some sixty per codec call. Here one program per (stream, block of channels)
+writes the concatenation and then the new history, which it reads before it writes any of it (a slot's history
+is read and written by its own programs only: the slots of a call are distinct). Tensors are [B, C, time] with any
+strides, so the same kernel serves time-contiguous and channels-last activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import common
+from .common import jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # keeps the module importable without triton; common.available() reports False
+    pass
+
+BLOCK_C, BLOCK_T = 32, 64
+
+
+@jit
+def _extend_kernel(
+    hist_ptr, x_ptr, full_ptr, slots_ptr, channels, hist_len, x_len,
+    stride_hs, stride_hc, stride_ht, stride_xb, stride_xc, stride_xt, stride_fb, stride_fc, stride_ft,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, HIST_P: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok_c = (c < channels)[:, None]
+    slot = tl.load(slots_ptr + b)
+    hist = hist_ptr + slot.to(tl.int64) * stride_hs + c[:, None].to(tl.int64) * stride_hc
+    x = x_ptr + b.to(tl.int64) * stride_xb + c[:, None].to(tl.int64) * stride_xc
+    full = full_ptr + b.to(tl.int64) * stride_fb + c[:, None].to(tl.int64) * stride_fc
+    # the new history, step j = the concatenation's step x_len + j, read before any of the old is overwritten
+    j = tl.arange(0, HIST_P)[None, :]
+    src = x_len + j
+    keep = ok_c & (j < hist_len)
+    older = tl.load(hist + src.to(tl.int64) * stride_ht, mask=keep & (src < hist_len), other=0.0)
+    newer = tl.load(x + (src - hist_len).to(tl.int64) * stride_xt, mask=keep & (src >= hist_len), other=0.0)
+    new_hist = tl.where(src < hist_len, older, newer)
+    # the concatenation: the history, then x
+    total = hist_len + x_len
+    t0 = 0
+    while t0 < total:  # not `for ... in range(runtime bound)`: the interpreter cannot index with a runtime scalar
+        t = t0 + tl.arange(0, BLOCK_T)[None, :]
+        ok = ok_c & (t < total)
+        from_hist = tl.load(hist + t.to(tl.int64) * stride_ht, mask=ok & (t < hist_len), other=0.0)
+        from_x = tl.load(x + (t - hist_len).to(tl.int64) * stride_xt, mask=ok & (t >= hist_len), other=0.0)
+        tl.store(full + t.to(tl.int64) * stride_ft, tl.where(t < hist_len, from_hist, from_x), mask=ok)
+        t0 += BLOCK_T
+    tl.debug_barrier()  # every thread's reads of the old history before any thread's write of the new
+    tl.store(hist + j.to(tl.int64) * stride_ht, new_hist, mask=keep)
+
+
+def supports(history: torch.Tensor) -> common.Support:
+    """Whether a history buffer [slots, channels, steps] can be extended by the kernel here."""
+    if not common.available(history.device):
+        return common.unsupported(f"no Triton kernels on {history.device.type}")
+    if history.dim() != 3 or history.shape[2] > 256:
+        return common.unsupported(f"a history of shape {tuple(history.shape)} (at most 256 steps) not supported")
+    return common.dtype_support(history.dtype)
+
+
+def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Write history[slots] followed by x ([B, C, T]) into `full` ([B, C, H + T], any layout), and make the last
+    H steps of it the slots' new history (history [S, C, H], updated in place). `slots`: B distinct int64 slots on
+    the device. Returns `full`."""
+    batch, channels, steps = x.shape
+    hist_len = history.shape[2]
+    grid = (batch, triton.cdiv(channels, BLOCK_C))
+    _extend_kernel[grid](
+        history, x, full, slots, channels, hist_len, steps, *history.stride(), *x.stride(), *full.stride(),
+        BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T, HIST_P=max(16, triton.next_power_of_2(hist_len)),
+    )
+    return full
