@@ -22,6 +22,7 @@ ENGINE_TUNING: dict[str, tuple[str, int | None]] = {
     "first_frame_step_load": ("first_frame_step_load", None),
     "clock_first_frame_load": ("clock_first_frame_load", None),
     "shed_lateness_ms": ("shed_lateness_s", 1000),
+    "codec_channels_last": ("codec_channels_last", None),
 }
 
 
