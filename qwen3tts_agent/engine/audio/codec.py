@@ -178,7 +178,7 @@ class StreamingCodecDecoder:
         equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
         under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
         True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
-        `channels_last`: keep the convolutions' weights (a copy: about 106 MiB in bf16 with the released shapes),
+        `channels_last`: keep the convolutions' weights (a copy: about 111 MiB in bf16 with the released shapes),
         histories and activations channels-last (module docstring).
         """
         if max_streams < 1:
