@@ -15,7 +15,7 @@ Two things keep a new stream clear of the codec lane's queue:
 - The codec lane holds at most `CODEC_LANE_DEPTH` decodes at a time. The rest wait on the host
   (`CodecQueue`, `engine/scheduler/codec_queue.py`) while their streams have audio to spare, so that one call decodes
   many streams' chunks: the most urgent due chunk goes with every waiting chunk of its length (a stream's
-  own chunks always in order).
+  own chunks always in order), or while a call is in flight with as many as fill a graph's batch exactly.
 
 A decode's PCM is copied to pinned host memory and read once its event has fired, so the core polls
 rather than waits.
@@ -187,6 +187,7 @@ class AudioPipeline:
         self.queue = CodecQueue(
             max_batch=power_of_two_buckets(max_streams)[-1] if graphed else 2 * max_streams,
             hold_s=hold_s, launch_slack_s=LAUNCH_SLACK_S, good_batch=GOOD_CODEC_BATCH,
+            batch_sizes=power_of_two_buckets(max_streams) if graphed else (),  # the codec graphs' batches
         )
         self._decoding: collections.deque[_Decoding] = collections.deque()
         self._early_decoding: collections.deque[_Decoding] = collections.deque()
@@ -326,7 +327,7 @@ class AudioPipeline:
         `streams`: the live streams that may still cut chunks (`CodecQueue.next_batch`)."""
         launched = False
         while self.queue and self._lane_depth() < CODEC_LANE_DEPTH:
-            group = self.queue.next_batch(now, streams)
+            group = self.queue.next_batch(now, streams, lane_busy=self._lane_depth() > 0)
             if not group:
                 break
             self._decode(group, group[0].n_frames, early=False)

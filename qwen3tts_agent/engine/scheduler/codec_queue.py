@@ -18,11 +18,18 @@ audio to spare, and go in batches:
 
 With `hold_s` = 0 every chunk is due at once: the lane decodes as soon as it has room, and a call batches
 only what waited for room meanwhile (the behaviour before this queue).
+
+A graphed call decodes a fixed batch (`batch_sizes`, its graphs' buckets), padding the rest: 11 chunks run the
+16-row graph, whose cost grows with its rows. So while the lane is busy with an earlier call, a call takes the
+most of its length's chunks that fill a bucket exactly (8 of 11) and leaves the least urgent rest to the next
+call, which joins them with what comes meanwhile, unless one of them is due by its deadline (then the call pads
+up as before). With the lane idle nothing is left behind: the chunks would only wait for nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
 
 from .requests import ChunkPlan, urgency
 
@@ -30,11 +37,18 @@ from .requests import ChunkPlan, urgency
 class CodecQueue:
     """Chunks waiting for the codec lane, oldest first; `next_batch` says which go now."""
 
-    def __init__(self, *, max_batch: int, hold_s: float, launch_slack_s: float, good_batch: int | None = None) -> None:
-        """`good_batch`: waiting chunks of one length that go without waiting for more (default `max_batch`)."""
+    def __init__(
+        self, *, max_batch: int, hold_s: float, launch_slack_s: float, good_batch: int | None = None,
+        batch_sizes: Sequence[int] = (),
+    ) -> None:
+        """`good_batch`: waiting chunks of one length that go without waiting for more (default `max_batch`).
+        `batch_sizes`: the batches a call decodes without padding (empty: any; module docstring)."""
         if max_batch < 1 or hold_s < 0 or launch_slack_s < 0 or (good_batch is not None and good_batch < 1):
             raise ValueError("max_batch and good_batch must be positive, hold_s and launch_slack_s not negative")
+        if any(size < 1 for size in batch_sizes):
+            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
         self.max_batch = max_batch
+        self.batch_sizes = sorted(set(batch_sizes))
         self.good_batch = min(max_batch, good_batch or max_batch)
         self.hold_s = hold_s
         self.launch_slack_s = launch_slack_s
@@ -74,9 +88,10 @@ class CodecQueue:
         deadline = plan.request.deadline()
         return deadline is None or deadline - now < self.launch_slack_s
 
-    def next_batch(self, now: float, streams: int) -> list[ChunkPlan]:
+    def next_batch(self, now: float, streams: int, lane_busy: bool = False) -> list[ChunkPlan]:
         """Take the chunks to decode in one call now (all of one length), or none while every chunk may wait.
-        `streams`: how many live streams may still cut chunks for this lane."""
+        `streams`: how many live streams may still cut chunks for this lane. `lane_busy`: an earlier call is
+        still decoding, so chunks past a whole batch may wait for the next call (module docstring)."""
         if now < self._quiet_until and streams >= self._quiet_streams:
             return []  # fewer streams could complete a group of a length: so the check below runs again
         eligible: dict[str, ChunkPlan] = {}  # each stream's earliest waiting chunk
@@ -95,6 +110,21 @@ class CodecQueue:
         self._quiet_until = 0.0
         lead = min(due, key=lambda plan: urgency(plan, now))
         group = sorted(by_length[lead.n_frames], key=lambda plan: urgency(plan, now))[: self.max_batch]
+        if lane_busy:
+            group = self._whole_batch(group, now)
         chosen = {id(plan) for plan in group}
         self._waiting = [plan for plan in self._waiting if id(plan) not in chosen]
         return group
+
+    def _whole_batch(self, group: list[ChunkPlan], now: float) -> list[ChunkPlan]:
+        """The most urgent chunks of `group` (most urgent first) that fill a batch size exactly, if the others
+        may wait for the next call: none is due by its deadline (or has none yet). Else the whole group."""
+        fits = bisect.bisect_right(self.batch_sizes, len(group))
+        if not fits or self.batch_sizes[fits - 1] == len(group):
+            return group
+        size = self.batch_sizes[fits - 1]
+        for plan in group[size:]:
+            deadline = plan.request.deadline()
+            if deadline is None or deadline - now < self.launch_slack_s:
+                return group
+        return group[:size]

@@ -160,3 +160,47 @@ def test_good_batch_is_at_most_max_batch_and_checked() -> None:
     assert CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1).good_batch == 4
     with pytest.raises(ValueError):
         CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1, good_batch=0)
+
+
+def _playing(count: int, frames_ahead: int) -> list[RequestState]:
+    """`count` streams playing since 0.0, each `frames_ahead` frames delivered: deadlines at frames_ahead × 80 ms."""
+    return [_stream(f"s{i:02d}", playing_since=0.0, delivered_frames=frames_ahead + i) for i in range(count)]
+
+
+def test_while_the_lane_is_busy_a_call_fills_a_graph_batch_and_leaves_the_rest() -> None:
+    """11 chunks with audio to spare and graphs of 1, 2, 4, 8 and 16 rows: with a call in flight the 8 most
+    urgent go (no padded rows) and the 3 others wait for the next call, first in it; with the lane idle all 11
+    go at once (they would wait for nothing)."""
+    queue = CodecQueue(max_batch=16, hold_s=0.0, launch_slack_s=SLACK_S, batch_sizes=(1, 2, 4, 8, 16))
+    streams = _playing(11, frames_ahead=10)  # running out from 0.8 s on, far past the slack at 0.1 s
+    queue.add([_chunk(s, 8, at=0.1) for s in reversed(streams)])
+    first = queue.next_batch(0.1, streams=11, lane_busy=True)
+    assert _ids(first) == [f"s{i:02d}" for i in range(8)] and len(queue) == 3  # the most urgent first
+    newcomers = _playing(14, frames_ahead=30)[11:]  # three more streams' chunks, later deadlines
+    queue.add([_chunk(s, 8, at=0.11) for s in newcomers])
+    assert _ids(queue.next_batch(0.11, streams=14, lane_busy=True)) == ["s08", "s09", "s10", "s11"]
+    assert _ids(queue.next_batch(0.12, streams=14, lane_busy=False)) == ["s12", "s13"]  # idle lane: everything
+    queue.add([_chunk(s, 8, at=0.2, start=9, index=2) for s in streams])
+    assert len(queue.next_batch(0.2, streams=14, lane_busy=False)) == 11  # the 16-row graph, 5 rows padded
+
+
+def test_a_chunk_due_by_its_deadline_is_never_left_for_the_next_call() -> None:
+    """Past a whole batch, a chunk whose listener runs out within the slack (or that has no audio out yet)
+    goes now: the call pads up instead."""
+    queue = CodecQueue(max_batch=16, hold_s=0.0, launch_slack_s=SLACK_S, batch_sizes=(1, 2, 4, 8, 16))
+    tight = [_stream(f"t{i}", playing_since=0.0, delivered_frames=2) for i in range(10)]  # run out at 0.16 s
+    queue.add([_chunk(s, 8, at=0.1) for s in tight])
+    assert len(queue.next_batch(0.1, streams=10, lane_busy=True)) == 10
+    late = [_stream(f"l{i}", playing_since=0.0, delivered_frames=1) for i in range(8)]  # ran out at 0.08 s
+    unplayed = _stream("new", playing_since=None)  # its first chunk has not left: no deadline to plan by
+    queue.add([_chunk(s, 8, at=0.1) for s in late] + [_chunk(unplayed, 8, at=0.1)])
+    group = queue.next_batch(0.1, streams=9, lane_busy=True)
+    assert len(group) == 9 and _ids(group)[-1] == "new"
+
+
+def test_without_batch_sizes_a_call_takes_every_chunk_of_its_length() -> None:
+    queue = _queue(hold_s=0.0)
+    queue.add([_chunk(s, 8, at=0.1) for s in _playing(11, frames_ahead=10)])
+    assert len(queue.next_batch(0.1, streams=11, lane_busy=True)) == 11
+    with pytest.raises(ValueError, match="batch sizes"):
+        CodecQueue(max_batch=4, hold_s=0.0, launch_slack_s=0.1, batch_sizes=(0, 4))
