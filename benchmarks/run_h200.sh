@@ -58,6 +58,7 @@
 set -uo pipefail
 out=${1:?output folder}; shift
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: a baseline's stages run from another folder
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 install="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 if [ "$*" = ray-install ]; then  # its call carries .whl/ray alone (64 MiB per call), so not ray.serve's needs
@@ -71,7 +72,19 @@ fi
   PYTHONPATH=/tmp/official python3 -c "import transformers; print('transformers (engine, official)', transformers.__version__)"
   date -u; } | tee -a "$out/environment.txt"
 
+# BASELINE_PACKAGE=.whl/baseline.tgz (made here with `git archive REV qwen3tts_agent | gzip > .whl/baseline.tgz`,
+# and carried): the stages run that earlier package instead of this tree's, for a before and after on one machine
+# in one call (give its runs a LOAD_TAG of their own). They run from /tmp/baseline, which holds that package beside
+# links to the rest of this tree (the benchmarks, the wheels), since `python -m` puts the working folder first.
+if [ -n "${BASELINE_PACKAGE:-}" ]; then
+  repo=$PWD
+  rm -rf /tmp/baseline && mkdir -p /tmp/baseline && tar xzf "$BASELINE_PACKAGE" -C /tmp/baseline || exit 1
+  for f in "$repo"/* "$repo"/.[!.]*; do [ "$(basename "$f")" = qwen3tts_agent ] || ln -s "$f" /tmp/baseline/; done
+  cd /tmp/baseline || exit 1
+  echo "baseline package from $BASELINE_PACKAGE" | tee -a "$out/environment.txt"
+fi
 official() { PYTHONPATH=/tmp/official:. python3 "$@"; }
+official -c "import importlib.util as u; print('qwen3tts_agent from', u.find_spec('qwen3tts_agent').origin)" | tee -a "$out/environment.txt"
 checkpoint() { official -c "from qwen3tts_agent.models import ensure_synthetic_checkpoint as e; print(e('$1'))" | tail -1; }
 
 flags=""
