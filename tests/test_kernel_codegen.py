@@ -106,7 +106,7 @@ def test_the_codec_kernels_load_and_store_16_bytes_at_a_time(kernel: str) -> Non
                      "hist_len": "i32", "x_len": "i32",  # the arguments in order, the unit strides constants
                      **{name: "constexpr" if name.endswith("c") else "i32" for name in strides}}
         constants = {**{name: 1 for name in strides if name.endswith("c")},
-                     "BLOCK_C": history.BLOCK_C, "BLOCK_T": history.BLOCK_T, "HIST_P": 64}
+                     "BLOCK_C": history.BLOCK_C, "BLOCK_T": history.BLOCK_T}
         lines = _ptx(history._extend_kernel, signature, constants, False, divisible=("channels",))
     else:
         signature = {"codes_ptr": "*i64", "tables_ptr": "*bf16", "out_ptr": "*bf16", "rows": "i32", "frames": "i32",

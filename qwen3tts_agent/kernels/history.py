@@ -3,10 +3,11 @@
 The streaming codec keeps each convolution's last `H` input steps per slot (`engine/audio/codec.py`,
 `SlotHistory`): a chunk's convolution reads the slots' histories followed by the chunk, and the last `H` steps of
 that become the new histories. In PyTorch that is a gather of the histories, a concatenation and a scatter back,
-three kernels per convolution and some sixty per codec call. Here one program per (stream, block of channels)
-writes the concatenation and then the new history, which it reads before it writes any of it (a slot's history
-is read and written by its own programs only: the slots of a call are distinct). Tensors are [B, C, time] with any
-strides, so the same kernel serves time-contiguous and channels-last activations.
+three kernels per convolution and some sixty per codec call. Here one program per (stream, block of channels,
+block of time) writes its block of the concatenation; a block holds the whole history, so the first block's
+program is the only one that reads a slot's history, and it writes the new one after every read of the old
+(the slots of a call are distinct). Tensors are [B, C, time] with any strides, so the same kernel serves
+time-contiguous and channels-last activations.
 """
 
 from __future__ import annotations
@@ -22,41 +23,37 @@ try:
 except ImportError:  # keeps the module importable without triton; common.available() reports False
     pass
 
-BLOCK_C, BLOCK_T = 32, 64
+BLOCK_C, BLOCK_T = 32, 64  # BLOCK_T: at least; a longer history takes a block of its length
 
 
 @jit
 def _extend_kernel(
     hist_ptr, x_ptr, full_ptr, slots_ptr, channels, hist_len, x_len,
     stride_hs, stride_hc, stride_ht, stride_xb, stride_xc, stride_xt, stride_fb, stride_fc, stride_ft,
-    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, HIST_P: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    first_block = tl.program_id(2) == 0
     ok_c = (c < channels)[:, None]
     slot = tl.load(slots_ptr + b)
     hist = hist_ptr + slot.to(tl.int64) * stride_hs + c[:, None].to(tl.int64) * stride_hc
     x = x_ptr + b.to(tl.int64) * stride_xb + c[:, None].to(tl.int64) * stride_xc
     full = full_ptr + b.to(tl.int64) * stride_fb + c[:, None].to(tl.int64) * stride_fc
-    # the new history, step j = the concatenation's step x_len + j, read before any of the old is overwritten
-    j = tl.arange(0, HIST_P)[None, :]
-    src = x_len + j
-    keep = ok_c & (j < hist_len)
-    older = tl.load(hist + src.to(tl.int64) * stride_ht, mask=keep & (src < hist_len), other=0.0)
-    newer = tl.load(x + (src - hist_len).to(tl.int64) * stride_xt, mask=keep & (src >= hist_len), other=0.0)
-    new_hist = tl.where(src < hist_len, older, newer)
-    # the concatenation: the history, then x
-    total = hist_len + x_len
-    t0 = 0
-    while t0 < total:  # not `for ... in range(runtime bound)`: the interpreter cannot index with a runtime scalar
-        t = t0 + tl.arange(0, BLOCK_T)[None, :]
-        ok = ok_c & (t < total)
-        from_hist = tl.load(hist + t.to(tl.int64) * stride_ht, mask=ok & (t < hist_len), other=0.0)
-        from_x = tl.load(x + (t - hist_len).to(tl.int64) * stride_xt, mask=ok & (t >= hist_len), other=0.0)
-        tl.store(full + t.to(tl.int64) * stride_ft, tl.where(t < hist_len, from_hist, from_x), mask=ok)
-        t0 += BLOCK_T
-    tl.debug_barrier()  # every thread's reads of the old history before any thread's write of the new
-    tl.store(hist + j.to(tl.int64) * stride_ht, new_hist, mask=keep)
+    # this block of the concatenation: the history, then x (the history lies in the first block: BLOCK_T >= H)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    ok = ok_c & (t < hist_len + x_len)
+    from_hist = tl.load(hist + t.to(tl.int64) * stride_ht, mask=ok & (t < hist_len), other=0.0)
+    from_x = tl.load(x + (t - hist_len).to(tl.int64) * stride_xt, mask=ok & (t >= hist_len), other=0.0)
+    tl.store(full + t.to(tl.int64) * stride_ft, tl.where(t < hist_len, from_hist, from_x), mask=ok)
+    if first_block:  # the one program of this slot and channel block that reads the old history writes the new
+        j = tl.arange(0, BLOCK_T)[None, :]  # new step j = the concatenation's step x_len + j
+        src = x_len + j
+        keep = ok_c & (j < hist_len)
+        older = tl.load(hist + src.to(tl.int64) * stride_ht, mask=keep & (src < hist_len), other=0.0)
+        newer = tl.load(x + (src - hist_len).to(tl.int64) * stride_xt, mask=keep & (src >= hist_len), other=0.0)
+        tl.debug_barrier()  # every thread's reads of the old history before any thread's write of the new
+        tl.store(hist + j.to(tl.int64) * stride_ht, tl.where(src < hist_len, older, newer), mask=keep)
 
 
 def supports(history: torch.Tensor) -> common.Support:
@@ -74,9 +71,10 @@ def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, 
     the device. Returns `full`."""
     batch, channels, steps = x.shape
     hist_len = history.shape[2]
-    grid = (batch, triton.cdiv(channels, BLOCK_C))
+    block_t = max(BLOCK_T, triton.next_power_of_2(hist_len))  # the whole history in a program's block
+    grid = (batch, triton.cdiv(channels, BLOCK_C), triton.cdiv(hist_len + steps, block_t))
     _extend_kernel[grid](
         history, x, full, slots, channels, hist_len, steps, *history.stride(), *x.stride(), *full.stride(),
-        BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T, HIST_P=max(16, triton.next_power_of_2(hist_len)),
+        BLOCK_C=BLOCK_C, BLOCK_T=block_t,
     )
     return full

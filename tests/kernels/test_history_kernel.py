@@ -17,7 +17,7 @@ def _buffer(slots: int, channels: int, steps: int, channels_last: bool, dtype: t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["time-contiguous", "channels-last"])
-@pytest.mark.parametrize(("channels", "hist_len", "steps"), [(40, 54, 130), (96, 6, 4), (5, 2, 1), (33, 16, 16)])
+@pytest.mark.parametrize(("channels", "hist_len", "steps"), [(40, 54, 130), (96, 6, 4), (5, 2, 1), (33, 16, 16), (8, 100, 300)])
 def test_the_kernel_equals_gather_cat_scatter(
     device: str, dtype: torch.dtype, channels_last: bool, channels: int, hist_len: int, steps: int,
 ) -> None:
