@@ -1,6 +1,6 @@
 """Which waiting chunks the codec lane decodes next, and when (`CodecQueue`; no tensors).
 
-A graphed codec call has a fixed cost, the launch sequence of some 800 small kernels, that a few chunks'
+A graphed codec call has a fixed cost, the launch sequence of a few hundred small kernels, that a few chunks'
 arithmetic barely adds to (docs/performance.md has the figures). Decoding each chunk the moment it is cut
 would therefore spend the device on one-row calls, beside the frame steps. So the chunks of the codec lane
 (every chunk but a stream's first, which has a lane of its own) wait on the host while their streams have
