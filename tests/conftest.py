@@ -22,6 +22,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True
 
 
+# Files to run first: the longest one that checks no timing (the kernels under Triton's interpreter, in a process of
+# its own, ~4 minutes), so that under `make test`'s two workers, which take files in collection order, it runs beside
+# the other files rather than alone at the end.
+RUN_FIRST = ("test_kernel_suite.py",)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in RUN_FIRST)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory ``synthetic_dir(spec) -> folder`` of a synthetic checkpoint, built once per test session.
