@@ -270,8 +270,8 @@ def test_the_channels_last_phase_split_equals_the_dilated_conv(
 
 def test_channels_last_keeps_every_convolution_channels_last(decoder, codes, reference, monkeypatch):
     """`channels_last`: the histories and weights are laid out channels-last, and every convolution, transposed
-    and phase-split ones included, reads its input channels-last: no layout change left to cuDNN, whose
-    transposes the option removes (a decode in the other layout would still be right, only slower)."""
+    and phase-split ones included, reads its input channels-last: no layout change left to cuDNN, which is what
+    the option is for (an input in the other layout would still decode right, so the audio alone cannot tell)."""
     codec = StreamingCodecDecoder(decoder, max_streams=2, channels_last=True)
     assert set(codec._weights) == set(codec._convs) and codec._phase_split
     for module, weight in codec._weights.items():
