@@ -10,6 +10,7 @@ from benchmarks.kernels.profile_codec import kind_of, summarize
 @pytest.mark.parametrize(("name", "kind"), [
     ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "conv"),
     ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, false, true, 0>", "cudnn transpose"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1_cga1x1x1_kernel0_0", "attention"),
     ("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_TNT", "gemm"),
     ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "gemm"),
     ("_snake_kernel", "triton"),  # a Triton kernel: its Python function's name alone

@@ -35,6 +35,7 @@ from qwen3tts_agent.models.synthetic_configs import speech_tokenizer_config
 # Kernel kinds, first match wins (names as CUPTI reports them: cuDNN, cuBLAS, ATen's and Triton's kernels).
 KINDS = (
     ("cudnn transpose", re.compile(r"nchwToNhwc|nhwcToNchw", re.I)),  # cuDNN's layout changes around a convolution
+    ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)),  # the transformer's (cuDNN's or PyTorch's)
     ("conv", re.compile(r"conv|implicit|cudnn|winograd|fft|dgrad|wgrad|xmma|sm\d+_xmma|cutlass.*conv", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cublas|cutlass|ampere|hopper|sm90|nvjet", re.I)),
     ("triton", re.compile(r"^(?!void )[\w]+$")),  # a Triton kernel is named by its Python function alone
