@@ -64,9 +64,16 @@ class SlotHistory:
         if self.size == 0:
             return x
         if self._fused:
-            batch, channels, steps = x.shape
-            full = torch.empty(batch, channels, self.size + steps, device=x.device, dtype=x.dtype)
-            return history_kernel.extend_history(self.buffer, slots, x, full)
+            return history_kernel.extend_history(self.buffer, slots, x, self._empty_concatenation(x))
+        return self._concatenate(slots, x)
+
+    def _empty_concatenation(self, x: torch.Tensor) -> torch.Tensor:
+        """An uninitialised [B, C, size + T] for the history followed by x [B, C, T], in this history's layout."""
+        batch, channels, steps = x.shape
+        return torch.empty(batch, channels, self.size + steps, device=x.device, dtype=x.dtype)
+
+    def _concatenate(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`extend` in PyTorch: a gather, a concatenation and a scatter."""
         full = torch.cat([self.buffer.index_select(0, slots), x], dim=self.dim)
         length = full.shape[self.dim]
         self.buffer.index_copy_(0, slots, full.narrow(self.dim, length - self.size, self.size))
@@ -82,13 +89,11 @@ class ChannelsLastHistory(SlotHistory):
         super().__init__(rows.transpose(1, 2), dim=-1)
         self.rows = rows
 
-    def extend(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 0:
-            return x
-        if self._fused:
-            batch, channels, steps = x.shape
-            full = torch.empty(batch, self.size + steps, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
-            return history_kernel.extend_history(self.buffer, slots, x, full)
+    def _empty_concatenation(self, x: torch.Tensor) -> torch.Tensor:
+        batch, channels, steps = x.shape
+        return torch.empty(batch, self.size + steps, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
+
+    def _concatenate(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         full = torch.cat([self.rows.index_select(0, slots), x.transpose(1, 2)], dim=1)
         self.rows.index_copy_(0, slots, full[:, -self.size :])
         return full.transpose(1, 2)

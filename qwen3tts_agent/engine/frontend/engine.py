@@ -441,6 +441,9 @@ class Engine(EngineFrontend):
         running = len(scheduler.running)
         refusal = self.refusal_reason()
         base, now = self._stats_base, core.stats
+        # the limit admission applies: an engine that does not shed (the CPU's default) takes on every slot,
+        # whatever its late chunks would have cut
+        limit = scheduler.stream_limit if self.shed_when_behind else None
         return EngineStats(
             active_streams=running,
             queued_streams=max(0, self.open_stream_count() - running),
@@ -451,11 +454,8 @@ class Engine(EngineFrontend):
             late_by_index=dict(scheduler.load.stats.late_by_index),
             overloaded=refusal is not None,
             refusal_reason=refusal,
-            # the limit admission applies: an engine that does not shed (the CPU's default) takes on every slot,
-            # whatever its late chunks would have cut
-            stream_limit=int(scheduler.stream_limit.limit(time.perf_counter())) if self.shed_when_behind
-            else self.max_streams,
-            stream_limit_cuts=scheduler.stream_limit.cuts if self.shed_when_behind else 0,
+            stream_limit=int(limit.limit(time.perf_counter())) if limit is not None else self.max_streams,
+            stream_limit_cuts=limit.cuts if limit is not None else 0,
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

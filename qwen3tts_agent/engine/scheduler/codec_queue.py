@@ -83,8 +83,11 @@ class CodecQueue:
 
     def due(self, plan: ChunkPlan, now: float) -> bool:
         """Whether a waiting chunk should be decoded now rather than wait for others to batch with."""
-        if now - plan.planned_at >= self.hold_s:
-            return True
+        return now - plan.planned_at >= self.hold_s or self._pressed(plan, now)
+
+    def _pressed(self, plan: ChunkPlan, now: float) -> bool:
+        """Whether a chunk's listener runs out within the launch slack, or its stream has no audio out yet (no
+        deadline to plan by): it goes in the next call, whatever it could batch with."""
         deadline = plan.request.deadline()
         return deadline is None or deadline - now < self.launch_slack_s
 
@@ -123,8 +126,4 @@ class CodecQueue:
         if not fits or self.batch_sizes[fits - 1] == len(group):
             return group
         size = self.batch_sizes[fits - 1]
-        for plan in group[size:]:
-            deadline = plan.request.deadline()
-            if deadline is None or deadline - now < self.launch_slack_s:
-                return group
-        return group[:size]
+        return group if any(self._pressed(plan, now) for plan in group[size:]) else group[:size]
