@@ -5,7 +5,7 @@ between steps on the steps' stream (`Scheduler.moves`), or, while every slot is 
 request takes the slot it leaves (`Scheduler.make_room`: on the prompts' lane, or on the steps' stream behind
 a frame in flight with the prompts' lane waiting for it). The copies race nothing only if the lanes are
 ordered as the scheduler assumes; in fp32 (TF32 off) each stream's greedy codes must then be those it makes
-alone. Only the GPU has the lanes, so this runs with `pytest -m gpu tests/kernels`.
+alone. The engine does not shed, so the requests past its slots wait for one rather than being refused. Only the GPU has the lanes, so this runs with `pytest -m gpu tests/kernels`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def test_streams_through_first_frame_slots_of_a_full_engine_make_their_codes_alo
     monkeypatch.setattr(device_load, "FIRST_FRAME_PAUSE_S", 0.0)  # a late chunk would pause the slots
     official = load_official_model("synthetic:tiny-customvoice", device="cuda", dtype=torch.float32, progress=False)
     engine = Engine(official, keep_codes=True, max_streams=2 * FIRST_FRAME_SLOTS + 2, max_seq_len=256,
-                    first_frame_step_load=FIRST_FRAME_SLOTS, backend="torch")
+                    first_frame_step_load=FIRST_FRAME_SLOTS, backend="torch",
+                    shed_when_behind=False)  # queue the surplus: refusing it (slot_wait) would empty the slots
     text = "Hello there, how can I help you today?"
     try:
         engine.warmup(progress=False)
