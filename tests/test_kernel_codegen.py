@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv, history, snake
+from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv
 
 ATTENTION_SIGNATURE = {
     **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
@@ -88,31 +88,13 @@ def test_padded_and_wide_heads_compile(head_dim: int, group: int, splits: int) -
     assert _first(lines, ".entry _attention_kernel") >= 0 and _first(lines, "griddepcontrol.wait") >= 0
 
 
-SNAKE_POINTERS = dict.fromkeys(("x_ptr", "alpha_ptr", "inv_beta_ptr", "out_ptr"), "*bf16")
-
-
-@pytest.mark.parametrize("kernel", ["snake channels-last", "codebook sum", "history channels-last"])
-def test_the_codec_kernels_load_and_store_16_bytes_at_a_time(kernel: str) -> None:
-    """The channels-last SnakeBeta tiles, the codebook sum and the channels-last history read and write rows of
-    channels (widths a multiple of 16, as the released ones are, whatever the history's length): one 16-byte
+def test_the_codebook_sum_loads_and_stores_16_bytes_at_a_time() -> None:
+    """The codebook sum reads and writes rows of the width (a multiple of 16, as the released one is): one 16-byte
     vector access per eight bf16 values, not one per value."""
-    if kernel == "snake channels-last":
-        signature = {**SNAKE_POINTERS, "channels": "i32", "length": "i32", "stride_b": "i32", "stride_t": "i32"}
-        constants = dict(TILE_T=snake.TILE_T, TILE_C=snake.TILE_C, LIBDEVICE=True)
-        lines = _ptx(snake._snake_channels_last_kernel, signature, constants, False, divisible=("channels",))
-    elif kernel == "history channels-last":  # the channel strides 1, as Triton specializes a unit stride
-        strides = ["stride_hs", "stride_hc", "stride_ht", "stride_xb", "stride_xc", "stride_xt", "stride_fb", "stride_fc", "stride_ft"]
-        signature = {**dict.fromkeys(("hist_ptr", "x_ptr", "full_ptr"), "*bf16"), "slots_ptr": "*i64", "channels": "i32",
-                     "hist_len": "i32", "x_len": "i32",  # the arguments in order, the unit strides constants
-                     **{name: "constexpr" if name.endswith("c") else "i32" for name in strides}}
-        constants = {**{name: 1 for name in strides if name.endswith("c")},
-                     "BLOCK_C": history.BLOCK_C, "BLOCK_T": history.BLOCK_T}
-        lines = _ptx(history._extend_kernel, signature, constants, False, divisible=("channels",))
-    else:
-        signature = {"codes_ptr": "*i64", "tables_ptr": "*bf16", "out_ptr": "*bf16", "rows": "i32", "frames": "i32",
-                     "stride_b": "i32", "stride_t": "i32", "stride_q": "i32", "first": "i32", "bins": "i32", "width": "i32"}
-        constants = dict(COUNT=15, BLOCK_ROWS=codebooks.BLOCK_ROWS, BLOCK_WIDTH=codebooks.BLOCK_WIDTH)
-        lines = _ptx(codebooks._codebook_sum_kernel, signature, constants, False, divisible=("width",))
+    signature = {"codes_ptr": "*i64", "tables_ptr": "*bf16", "out_ptr": "*bf16", "rows": "i32", "frames": "i32",
+                 "stride_b": "i32", "stride_t": "i32", "stride_q": "i32", "first": "i32", "bins": "i32", "width": "i32"}
+    constants = dict(COUNT=15, BLOCK_ROWS=codebooks.BLOCK_ROWS, BLOCK_WIDTH=codebooks.BLOCK_WIDTH)
+    lines = _ptx(codebooks._codebook_sum_kernel, signature, constants, False, divisible=("width",))
     accesses = [line for line in lines if "ld.global" in line or "st.global" in line]
     assert not [line for line in accesses if ".b16" in line], "a bf16 value read or written alone"
     assert any("st.global.v4" in line for line in accesses) and any("ld.global.v4" in line for line in accesses)

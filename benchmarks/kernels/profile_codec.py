@@ -6,9 +6,7 @@ times do not depend on the values), captures the streaming decode as CUDA graphs
 shapes as the engine does, and for each: the replay's time (CUDA events, median of 30), and from one profiled
 replay (CUPTI through torch.profiler) every kernel's name and time, grouped by kind (convolutions, GEMMs, the
 fused Triton kernels, elementwise, copies and gathers). The replay's time less the kernels' sum is the time
-between kernels. Both layouts are measured: time-contiguous activations and the modules' own weights (the engine's
-default), which cuDNN transposes around every convolution, and `StreamingCodecDecoder(channels_last=True)`
-(docs/gpu.md, "Codec convolutions").
+between kernels.
 
     python -m benchmarks.kernels.profile_codec --out codec-profile.json
 """
@@ -107,30 +105,27 @@ def main() -> None:
     frames = sorted({t for _, t in shapes})
 
     decoder = build_decoder(args.size).to("cuda", torch.bfloat16)
+    codec = StreamingCodecDecoder(decoder, max_streams=streams[-1])
+    log(f"codec transformer: {codec.transformer_path}")
+    graphs = GraphedCodecDecode(codec, scratch_start=0, batch_buckets=streams, frame_sizes=frames)
+    graphs.capture(progress=False)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "cudnn": torch.backends.cudnn.version(), "size": args.size, "layouts": {}}
-    for layout, channels_last in (("time-contiguous", False), ("channels-last", True)):
-        codec = StreamingCodecDecoder(decoder, max_streams=streams[-1], channels_last=channels_last)
-        log(f"{layout}: codec transformer {codec.transformer_path}")
-        graphs = GraphedCodecDecode(codec, scratch_start=0, batch_buckets=streams, frame_sizes=frames)
-        graphs.capture(progress=False)
-        results = report["layouts"][layout] = {}
-        with torch.cuda.stream(torch.cuda.Stream()):
-            for b, t in shapes:
-                graph, _ = graphs._graphs[(b, t)]
-                replay_ms = median_ms(graph.replay)
-                torch.cuda.synchronize()
-                kernels, profiled = profile_kernels(graph.replay), "graph replay"
-                if not kernels:  # a CUPTI that does not trace kernels inside graphs: the same decode, eagerly
-                    eager = functools.partial(codec.decode, graphs._slots[:b], graphs._codes[:b, :t])
-                    kernels, profiled = profile_kernels(eager), "eager decode"
-                results[f"{b}x{t}"] = summary = {**summarize(kernels, replay_ms), "profiled": profiled}
-                args.out.write_text(json.dumps(report, indent=2) + "\n")  # what a cut-short run measured
-                kinds = ", ".join(f"{kind} {v['count']:.0f} / {v['us'] / 1000:.2f} ms" for kind, v in summary["by_kind"].items())
-                log(f"{layout} {b}x{t}: replay {replay_ms:.2f} ms, {summary['kernels']} kernels, "
-                    f"sum {summary['kernel_sum_ms']:.2f} ms ({kinds})")
-        del graphs, codec
-        torch.cuda.empty_cache()
+                              "cudnn": torch.backends.cudnn.version(), "size": args.size, "shapes": {}}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for b, t in shapes:
+            graph, _ = graphs._graphs[(b, t)]
+            replay_ms = median_ms(graph.replay)
+            torch.cuda.synchronize()
+            kernels, profiled = profile_kernels(graph.replay), "graph replay"
+            if not kernels:  # a CUPTI that does not trace kernels inside graphs: the same decode, eagerly
+                eager = functools.partial(codec.decode, graphs._slots[:b], graphs._codes[:b, :t])
+                kernels, profiled = profile_kernels(eager), "eager decode"
+            report["shapes"][f"{b}x{t}"] = summary = {**summarize(kernels, replay_ms), "profiled": profiled}
+            args.out.write_text(json.dumps(report, indent=2) + "\n")  # what a cut-short run measured
+            kinds = ", ".join(f"{kind} {v['count']:.0f} / {v['us'] / 1000:.2f} ms" for kind, v in summary["by_kind"].items())
+            log(f"{b}x{t}: replay {replay_ms:.2f} ms, {summary['kernels']} kernels, sum {summary['kernel_sum_ms']:.2f} ms"
+                f" ({kinds})")
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {args.out}")
 
 

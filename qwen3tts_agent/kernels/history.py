@@ -6,8 +6,7 @@ that become the new histories. In PyTorch that is a gather of the histories, a c
 three kernels per convolution and some sixty per codec call. Here one program per (stream, block of channels,
 block of time) writes its block of the concatenation; a block holds the whole history, so the first block's
 program is the only one that reads a slot's history, and it writes the new one after every read of the old
-(the slots of a call are distinct). Tensors are [B, C, time] with any strides, so the same kernel serves
-time-contiguous and channels-last activations.
+(the slots of a call are distinct). Tensors are [B, C, time] with any strides: a chunk need not be contiguous.
 """
 
 from __future__ import annotations
@@ -65,12 +64,12 @@ def supports(history: torch.Tensor) -> common.Support:
     return common.dtype_support(history.dtype)
 
 
-def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """Write history[slots] followed by x ([B, C, T]) into `full` ([B, C, H + T], any layout), and make the last
-    H steps of it the slots' new history (history [S, C, H], updated in place). `slots`: B distinct int64 slots on
-    the device. Returns `full`."""
+def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """history[slots] followed by x ([B, C, T]), as a new contiguous [B, C, H + T]; its last H steps become the
+    slots' new history (history [S, C, H], updated in place). `slots`: B distinct int64 slots on the device."""
     batch, channels, steps = x.shape
     hist_len = history.shape[2]
+    full = torch.empty(batch, channels, hist_len + steps, device=x.device, dtype=x.dtype)
     block_t = max(BLOCK_T, triton.next_power_of_2(hist_len))  # the whole history in a program's block
     grid = (batch, triton.cdiv(channels, BLOCK_C), triton.cdiv(hist_len + steps, block_t))
     _extend_kernel[grid](

@@ -7,9 +7,6 @@ writes once.
 
 Each intermediate is rounded to the model dtype where the module's kernels store it, and fp32 products are
 not contracted into FMAs, so the result equals the module's.
-
-Activations laid out channels-last (channels contiguous, `StreamingCodecDecoder(channels_last=True)`) take a
-second kernel over (time block, channel block) tiles, so that its loads stay contiguous along the channels.
 """
 
 from __future__ import annotations
@@ -29,8 +26,6 @@ except ImportError:  # keeps the module importable without triton; common.availa
     pass
 
 BLOCK = 1024  # time steps per program
-# channels-last: a program's tile of time steps x channels
-TILE_T, TILE_C = 32, 64
 
 
 def snake_modules(decoder: nn.Module) -> list[nn.Module]:
@@ -74,30 +69,6 @@ def _snake_kernel(
     tl.store(out_ptr + row.to(tl.int64) * length + t, (xf + bump).to(dt), mask=ok)
 
 
-@jit
-def _snake_channels_last_kernel(
-    x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, stride_b, stride_t,
-    TILE_T: tl.constexpr, TILE_C: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
-    """`_snake_kernel` over x [B, C, T] with channel stride 1 (any batch and time strides); out dense, [B, T, C]
-    in memory."""
-    b = tl.program_id(0)
-    t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
-    c = tl.program_id(2) * TILE_C + tl.arange(0, TILE_C)
-    ok_c = c < channels
-    ok = (t < length)[:, None] & ok_c[None, :]
-    x = tl.load(x_ptr + b.to(tl.int64) * stride_b + t.to(tl.int64)[:, None] * stride_t + c[None, :], mask=ok, other=0.0)
-    dt = x.dtype
-    xf = x.to(tl.float32)
-    alpha = tl.load(alpha_ptr + c, mask=ok_c, other=0.0).to(tl.float32)
-    inv_beta = tl.load(inv_beta_ptr + c, mask=ok_c, other=0.0).to(tl.float32)
-    scaled = round_to(xf * alpha[None, :], dt)
-    sine = round_to(_sin(scaled, LIBDEVICE), dt)
-    bump = round_to(inv_beta[None, :] * round_to(sine * sine, dt), dt)
-    rows = b.to(tl.int64) * length + t.to(tl.int64)
-    tl.store(out_ptr + rows[:, None] * channels + c[None, :], (xf + bump).to(dt), mask=ok)
-
-
 class FusedSnakeBeta:
     """A one-kernel stand-in for one official `SnakeBeta` module `supports` takes (its parameters read once,
     at construction)."""
@@ -110,21 +81,10 @@ class FusedSnakeBeta:
             self.inv_beta = (1.0 / (torch.exp(module.beta) + module.no_div_by_zero)).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, C, T] with time or channels contiguous -> a new dense tensor in the same layout; the module
-        itself where Triton cannot run."""
-        if not common.available(x.device) or x.dim() != 3:
+        """x [B, C, T] (time contiguous) -> a new contiguous tensor; the module itself where Triton cannot run."""
+        if not common.available(x.device) or x.dim() != 3 or x.stride(-1) != 1:
             return self.module(x)
         batch, channels, length = x.shape
-        if x.stride(1) == 1 and x.stride(-1) != 1:  # channels-last
-            out = torch.empty(batch, length, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
-            grid = (batch, triton.cdiv(length, TILE_T), triton.cdiv(channels, TILE_C))
-            _snake_channels_last_kernel[grid](
-                x, self.alpha, self.inv_beta, out, channels, length, x.stride(0), x.stride(2),
-                TILE_T=TILE_T, TILE_C=TILE_C, LIBDEVICE=not common.interpreting(), enable_fp_fusion=False,
-            )
-            return out
-        if x.stride(-1) != 1:
-            return self.module(x)
         out = torch.empty(batch, channels, length, device=x.device, dtype=x.dtype)
         _snake_kernel[(batch * channels, triton.cdiv(length, BLOCK))](
             x, self.alpha, self.inv_beta, out, channels, length, x.stride(0), x.stride(1),

@@ -107,7 +107,6 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         clock_first_frame_load=args.clock_first_frame_load,
         shed_lateness_ms=args.shed_lateness_ms,
         chunk_schedule=args.chunk_schedule,
-        codec_channels_last=args.codec_channels_last,
         engine_core=args.engine_core,
         torch_threads=args.torch_threads,
         num_replicas=None if autoscale else args.replicas,

@@ -30,8 +30,8 @@ class RayServeSettings:
         backend: what runs the model maths, as for `serve` ("auto": int8 ONNX Runtime on a CPU, PyTorch and
             the Triton kernels on a GPU; docs/cpu-backend.md).
         codec_hold_ms, step_period_ms, first_frame_step_load, clock_first_frame_load, shed_lateness_ms,
-            chunk_schedule, codec_channels_last: the engine's scheduling and codec layout, as `serve`'s options of
-            those names (`--codec-hold-ms` and so on; docs/server.md); None: the engine's default.
+            chunk_schedule: the engine's scheduling, as `serve`'s options of those names (`--codec-hold-ms` and
+            so on; docs/server.md); None: the engine's default.
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
             a child process of the replica (`engine/process/supervisor.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
@@ -75,7 +75,6 @@ class RayServeSettings:
     clock_first_frame_load: int | None = None
     shed_lateness_ms: float | None = None
     chunk_schedule: tuple[int, ...] | None = None
-    codec_channels_last: bool | None = None
     engine_core: str = "thread"
     torch_threads: int | None = None
     num_replicas: int | None = 1

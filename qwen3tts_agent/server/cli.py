@@ -118,9 +118,6 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shed-lateness-ms", type=float,
                    help="how late a chunk must leave the engine to count towards refusing new streams as `busy` "
                    "(default 0: any lateness; late chunks are counted in /metrics either way); docs/server.md")
-    p.add_argument("--codec-channels-last", action="store_true", default=None,
-                   help="lay the codec's convolutions out channels-last (the torch backend; an option until "
-                   "measured on a GPU: docs/gpu.md)")
     p.add_argument("--no-warmup", action="store_true", help="report ready without a warm-up utterance")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

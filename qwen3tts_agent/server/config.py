@@ -13,17 +13,15 @@ from typing import Any
 # and `serve-ray`'s (ray/settings.py).
 MAX_CHUNK_FRAMES = 64
 MAX_SCHEDULE_CHUNKS = 8
-# The engine's scheduling options (and its codec's layout) that `serve` and `serve-ray` share, by name (a
-# `RayServeSettings` field; on the command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and what
-# to divide by for its units (1000: milliseconds to seconds; None: a count or a switch, as given). `chunk_schedule` is
-# the one more (`check_chunk_schedule`).
+# The engine's scheduling options `serve` and `serve-ray` share, by name (a `RayServeSettings` field; on the
+# command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and what to divide by for its units
+# (1000: milliseconds to seconds; None: a count, as given). `chunk_schedule` is the one more (`check_chunk_schedule`).
 ENGINE_TUNING: dict[str, tuple[str, int | None]] = {
     "codec_hold_ms": ("codec_hold_s", 1000),
     "step_period_ms": ("step_period_s", 1000),
     "first_frame_step_load": ("first_frame_step_load", None),
     "clock_first_frame_load": ("clock_first_frame_load", None),
     "shed_lateness_ms": ("shed_lateness_s", 1000),
-    "codec_channels_last": ("codec_channels_last", None),
 }
 
 

@@ -31,26 +31,19 @@ def _module(channels: int, dtype: torch.dtype, device: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["contiguous", "strided", "channels_last", "channels_last_strided"])
-@pytest.mark.parametrize("channels", [5, 64, 100])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("channels", [5, 64])
 def test_activation_equals_the_module(device: str, dtype: torch.dtype, layout: str, channels: int) -> None:
-    """[2, C, 1500] (time not a whole number of blocks, channels not of tiles), or a channel slice of a wider
-    tensor (strided); channels-last, dense or a slice in time and channels (as a transposed conv's output is)."""
+    """[2, C, 1500] (time not a whole number of blocks), or a channel slice of a wider tensor (strided); the
+    output contiguous either way."""
     module = _module(channels, dtype, device)
     assert snake.supports(module)
-    generator = torch.Generator().manual_seed(7)
-    if layout.startswith("channels_last"):
-        wide = (torch.randn(2, 1600, channels + 4, generator=generator) * 3).to(device, dtype)
-        x = (wide[:, :1500, :channels].contiguous() if layout == "channels_last" else wide[:, 50:1550, 2 : 2 + channels])
-        x = x.transpose(1, 2)
-    else:
-        wide = (torch.randn(2, channels + 4, 1500, generator=generator) * 3).to(device, dtype)
-        x = wide[:, :channels].contiguous() if layout == "contiguous" else wide[:, 2 : 2 + channels]
+    wide = (torch.randn(2, channels + 4, 1500, generator=torch.Generator().manual_seed(7)) * 3).to(device, dtype)
+    x = wide[:, :channels].contiguous() if layout == "contiguous" else wide[:, 2 : 2 + channels]
     with torch.no_grad():
         fused = snake.FusedSnakeBeta(module)(x)
         expected, got = module(x).float(), fused.float()
-    # the output is dense, in the input's layout
-    assert fused.stride() == ((1500 * channels, 1, channels) if layout.startswith("channels_last") else (channels * 1500, 1500, 1))
+    assert fused.is_contiguous()
     assert float((x.float() - got).abs().max()) > 0.01, "the activation did nothing: the comparison would be vacuous"
     if device == "cuda":
         assert torch.equal(got, expected)
@@ -61,15 +54,13 @@ def test_activation_equals_the_module(device: str, dtype: torch.dtype, layout: s
         assert float(((got - expected).abs() / ulp).max()) <= 12
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["time-contiguous", "channels-last"])
-def test_streaming_codec_on_its_kernels(channels_last: bool) -> None:
+def test_streaming_codec_on_its_kernels() -> None:
     """Two chunks of two streams through the streaming decoder on every kernel it takes where Triton runs (the
-    activations, the codebook sums, the convolutions' histories), in either layout, against the official one-shot
-    decode."""
+    activations, the codebook sums, the convolutions' histories) against the official one-shot decode."""
     torch.set_num_threads(1)
     decoder = tiny_decoder()
     codes = torch.randint(0, 2048, (2, 3, 16), generator=torch.Generator().manual_seed(1))
-    codec = StreamingCodecDecoder(decoder, max_streams=3, channels_last=channels_last)
+    codec = StreamingCodecDecoder(decoder, max_streams=3)
     assert codec._snakes and all(isinstance(f, snake.FusedSnakeBeta) for f in codec._snakes.values())
     assert codec._codebooks.path == "triton" and all(h._fused for h in codec._convs.values())
     with torch.no_grad():

@@ -17,13 +17,6 @@ index_select / index_copy_ on a slot tensor, so one call can be captured as a CU
 
 On a GPU the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten launches a layer instead
 of sixty; equal to the official layers to float rounding) on the same state.
-
-Layouts. By default the activations are [batch, channels, time] with time contiguous, as the modules compute them.
-cuDNN's tensor-core kernels read channels-last activations and weights, so each convolution call transposes its
-input, its weights and its output. `channels_last=True` keeps them channels-last instead, through the frame-rate
-convolution and the whole audio-rate half: the weights copied once (`channels_last_weight`), the conv histories,
-the activations between the ops (the same logical [batch, channels, time] tensors, channels contiguous in memory)
-and the SnakeBeta kernels. An option until measured on a GPU (docs/gpu.md, "Codec convolutions").
 """
 
 from __future__ import annotations
@@ -64,44 +57,11 @@ class SlotHistory:
         if self.size == 0:
             return x
         if self._fused:
-            return history_kernel.extend_history(self.buffer, slots, x, self._empty_concatenation(x))
-        return self._concatenate(slots, x)
-
-    def _empty_concatenation(self, x: torch.Tensor) -> torch.Tensor:
-        """An uninitialised [B, C, size + T] for the history followed by x [B, C, T], in this history's layout."""
-        batch, channels, steps = x.shape
-        return torch.empty(batch, channels, self.size + steps, device=x.device, dtype=x.dtype)
-
-    def _concatenate(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`extend` in PyTorch: a gather, a concatenation and a scatter."""
+            return history_kernel.extend_history(self.buffer, slots, x)
         full = torch.cat([self.buffer.index_select(0, slots), x], dim=self.dim)
         length = full.shape[self.dim]
         self.buffer.index_copy_(0, slots, full.narrow(self.dim, length - self.size, self.size))
         return full
-
-
-class ChannelsLastHistory(SlotHistory):
-    """A convolution's input history kept channels-last: `rows` [slots, steps, channels] in memory, `buffer` the
-    same memory seen as [slots, channels, steps]. `extend` takes [B, C, T] in any layout and returns the history
-    followed by it, channels-last."""
-
-    def __init__(self, rows: torch.Tensor) -> None:
-        super().__init__(rows.transpose(1, 2), dim=-1)
-        self.rows = rows
-
-    def _empty_concatenation(self, x: torch.Tensor) -> torch.Tensor:
-        batch, channels, steps = x.shape
-        return torch.empty(batch, self.size + steps, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
-
-    def _concatenate(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        full = torch.cat([self.rows.index_select(0, slots), x.transpose(1, 2)], dim=1)
-        self.rows.index_copy_(0, slots, full[:, -self.size :])
-        return full.transpose(1, 2)
-
-
-def channels_last_dense(x: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T] as a dense tensor with channels contiguous (x itself where it is one already)."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,20 +74,6 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 # Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
 # (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/kernels/bench_codec_convs.py).
 PHASE_SPLIT_MIN_DILATION = 9
-
-
-def channels_last_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of a 1-D convolution's weight [a, b, kernel] with the same shape and values, laid out [a, kernel, b]
-    in memory: the channels-last layout, in which cuDNN reads the weight without transposing it first."""
-    return channels_last_dense(weight.detach())
-
-
-def run_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`conv(x)` with `weight` in place of the module's own (the same values, in any layout; no padding, as every
-    codec conv has). The output's layout is the backend's choice."""
-    if isinstance(conv, nn.ConvTranspose1d):
-        return F.conv_transpose1d(x, weight, conv.bias, conv.stride, 0, 0, conv.groups, conv.dilation)
-    return F.conv1d(x, weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
 
 def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
@@ -148,20 +94,6 @@ def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return y[..., :out_len].contiguous()
 
 
-def phase_split_conv_channels_last(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`phase_split_conv` for channels-last x [B, C, T] and weight (`channels_last_weight`), the output
-    channels-last: the phases are split and interleaved along the rows of time steps."""
-    d, k = conv.dilation[0], conv.kernel_size[0]
-    batch, channels, length = x.shape
-    out_len = length - (k - 1) * d
-    steps = -(-out_len // d) + k - 1
-    rows = F.pad(x.transpose(1, 2), (0, 0, 0, d * steps - length))  # [batch, d * steps, channels]
-    phases = rows.view(batch, steps, d, channels).transpose(1, 2).reshape(batch * d, steps, channels)
-    y = channels_last_dense(F.conv1d(phases.transpose(1, 2), weight, conv.bias)).transpose(1, 2)  # [batch * d, steps', out]
-    y = y.view(batch, d, -1, y.shape[-1]).transpose(1, 2).reshape(batch, -1, y.shape[-1])
-    return y[:, :out_len].contiguous().transpose(1, 2)
-
-
 class StreamingCodecDecoder:
     """Incremental `Qwen3TTSTokenizerV2Decoder` for many streams at once, equal to the full decode.
 
@@ -173,18 +105,13 @@ class StreamingCodecDecoder:
     (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
-    def __init__(
-        self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None,
-        channels_last: bool = False,
-    ) -> None:
+    def __init__(self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None) -> None:
         """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`.
 
         `fused_transformer`: run the transformer on the `kernels.codec_layer` kernels (`FusedCodecTransformer`,
         equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
         under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
         True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
-        `channels_last`: keep the convolutions' weights (a copy: about 111 MiB in bf16 with the released shapes),
-        histories and activations channels-last (module docstring).
         """
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
@@ -201,19 +128,13 @@ class StreamingCodecDecoder:
         self.samples_per_frame = int(decoder.total_upsample)
         self._window = int(config.sliding_window)
 
-        self.channels_last = channels_last
         self._convs: dict[nn.Module, SlotHistory] = {}
-        self._weights: dict[nn.Module, torch.Tensor] = {}  # channels-last copies of the weights
         for module in decoder.modules():
             conv = getattr(module, "conv", None)
-            if not isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
-                continue
-            history = self._conv_history(conv)
-            if channels_last:
-                self._convs[module] = ChannelsLastHistory(self._zeros(history, conv.in_channels))
-                self._weights[module] = channels_last_weight(conv.weight)
-            else:
-                self._convs[module] = SlotHistory(self._zeros(conv.in_channels, history), dim=-1)
+            if isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)):
+                self._convs[module] = SlotHistory(
+                    self._zeros(conv.in_channels, self._conv_history(conv)), dim=-1
+                )
 
         transformer = decoder.pre_transformer
         self._kv: list[tuple[SlotHistory, SlotHistory]] = []
@@ -384,12 +305,7 @@ class StreamingCodecDecoder:
         history = self._convs[module]
         conv = module.conv
         full = history.extend(slots, x)
-        if not self.channels_last:
-            y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
-        elif module in self._phase_split:
-            y = phase_split_conv_channels_last(conv, full, self._weights[module])
-        else:
-            y = channels_last_dense(run_conv(conv, full, self._weights[module]))
+        y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
         if isinstance(conv, nn.ConvTranspose1d):
             # Outputs of the history samples are already out; those past the chunk wait for the next input.
             stride = conv.stride[0]

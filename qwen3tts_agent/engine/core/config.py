@@ -38,7 +38,6 @@ class CoreConfig:
     clock_first_frame_load: int = 0  # ... and new streams' first frames too from this many (Scheduler); 0: never
     first_audio_alone: bool = False  # at any load, a step waits while a new stream's first frame and chunk run
     shed_lateness_s: float = 0.0  # how late a chunk must leave to count as evidence of load (DeviceLoad)
-    codec_channels_last: bool = False  # the codec's convolutions channels-last (engine/audio/codec.py)
 
 
 @dataclass

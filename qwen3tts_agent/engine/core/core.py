@@ -109,9 +109,7 @@ class EngineCore:
         self.audio = AudioPipeline(
             model.speech_tokenizer.model.decoder, device=self.device, max_streams=config.max_streams,
             chunk_schedule=config.chunk_schedule, graphed=graphed, overlap=config.overlap_codec,
-            make_codec=functools.partial(
-                create_codec, backend=config.backend, **({"channels_last": True} if config.codec_channels_last else {})
-            ),
+            make_codec=functools.partial(create_codec, backend=config.backend),
             hold_s=config.codec_hold_s, priorities=lanes, on_decode=self._count_decode, codec_threads=codec_threads,
         )
         self.runner.lend_codec_cores(self.audio.codec_thread_idle)

@@ -172,7 +172,6 @@ class Engine(EngineFrontend):
         clock_first_frame_load: int | None = None,
         first_audio_alone: bool | None = None,
         shed_lateness_s: float = 0.0,
-        codec_channels_last: bool = False,
         device_share: float = 1.0,
     ) -> None:
         """`max_streams`: stream slots (rows of the batched step), or "auto" for what the device holds
@@ -229,11 +228,7 @@ class Engine(EngineFrontend):
         its own).
         `shed_lateness_s`: how late a chunk must leave for it to count towards refusing new streams and pausing
         first-frame slots (`engine/scheduler/device_load.py`); 0: any lateness does. Late chunks are counted in
-        `stats` either way.
-        `codec_channels_last`: the codec's convolutions with their weights, histories and activations laid out
-        channels-last, which cuDNN's tensor-core kernels read without transposing them around each call; the
-        audio is the same to float rounding. The "torch" backend only; an option until measured on a GPU
-        (docs/gpu.md, "Codec convolutions")."""
+        `stats` either way."""
         self._official = official
         model = official.model  # type: ignore[attr-defined]
         self.model = model
@@ -248,8 +243,6 @@ class Engine(EngineFrontend):
             raise ValueError(f"max_streams must be a positive number or 'auto', got {max_streams!r}")
         if device_share < 1.0:
             check_slots_fit(model, max_streams, max_seq_len, device_share)
-        if codec_channels_last and self.backend != "torch":
-            raise ValueError(f"codec_channels_last needs the torch backend, not {self.backend!r}")
         self._config = CoreConfig(
             max_streams=max_streams, max_seq_len=max_seq_len, backend=self.backend, chunk_schedule=tuple(chunk_schedule),
             keep_codes=keep_codes, use_cuda_graphs=use_cuda_graphs, overlap_codec=overlap_codec,
@@ -264,7 +257,7 @@ class Engine(EngineFrontend):
             first_audio_alone=(
                 self.device.type == "cuda" and self.backend == "torch" if first_audio_alone is None else first_audio_alone
             ),
-            shed_lateness_s=shed_lateness_s, codec_channels_last=codec_channels_last,
+            shed_lateness_s=shed_lateness_s,
         )
         tokenizer = TextTokenizer(official.processor.tokenizer)  # type: ignore[attr-defined]
         info = ModelInfo.from_official(

@@ -14,14 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent.engine.audio import codec as codec_module
-from qwen3tts_agent.engine.audio.codec import (
-    StreamingCodecDecoder,
-    channels_last_dense,
-    channels_last_weight,
-    phase_split_conv,
-    phase_split_conv_channels_last,
-)
+from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, phase_split_conv
 from qwen3tts_agent.engine.runner import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
@@ -134,15 +127,11 @@ def test_one_frame_chunks_in_two_slots(decoder, codes, reference):
     assert _max_error(audio, reference[:2]) < TOLERANCE
 
 
-LAYOUTS = pytest.mark.parametrize("channels_last", [False, True], ids=["time-contiguous", "channels-last"])
-
-
-@LAYOUTS
 @pytest.mark.parametrize("schedule", ["growing", "random"])
-def test_chunk_schedules(decoder, codes, reference, schedule, channels_last):
+def test_chunk_schedules(decoder, codes, reference, schedule):
     rng = random.Random(2)
     sizes = [1, 2, 4, 8] if schedule == "growing" else [rng.randint(1, 13) for _ in range(FRAMES)]
-    codec = StreamingCodecDecoder(decoder, max_streams=3, channels_last=channels_last)
+    codec = StreamingCodecDecoder(decoder, max_streams=3)
     audio = _stream(codec, [0, 1, 2], codes, _schedule(FRAMES, sizes))
     assert _max_error(audio, reference) < TOLERANCE
 
@@ -163,9 +152,8 @@ def test_split_frames_cuts_chunks_into_graphed_sizes(frames, sizes, pieces):
     assert split_frames(frames, sizes) == pieces
 
 
-@LAYOUTS
-def test_reset_starts_a_fresh_stream(decoder, codes, reference, channels_last):
-    codec = StreamingCodecDecoder(decoder, max_streams=2, channels_last=channels_last)
+def test_reset_starts_a_fresh_stream(decoder, codes, reference):
+    codec = StreamingCodecDecoder(decoder, max_streams=2)
     _stream(codec, [1], codes[2:3, :20], [4] * 5)
     codec.reset(1)
     audio = _stream(codec, [1], codes[1:2, :12], [1, 3, 8])
@@ -173,10 +161,9 @@ def test_reset_starts_a_fresh_stream(decoder, codes, reference, channels_last):
 
 
 # 5 frames: fewer than prime() takes to audio rate; 100: more, and more than the attention window in one call.
-@LAYOUTS
 @pytest.mark.parametrize("ref_frames", [5, 100])
-def test_prime_then_decode_is_the_tail_of_the_full_decode(decoder, codes, reference, ref_frames, channels_last):
-    codec = StreamingCodecDecoder(decoder, max_streams=2, channels_last=channels_last)
+def test_prime_then_decode_is_the_tail_of_the_full_decode(decoder, codes, reference, ref_frames):
+    codec = StreamingCodecDecoder(decoder, max_streams=2)
     assert 5 < codec.prime_frames < 72
     codec.prime(1, codes[2, :ref_frames])
     generated = 30
@@ -186,10 +173,9 @@ def test_prime_then_decode_is_the_tail_of_the_full_decode(decoder, codes, refere
     assert _max_error(audio[1], reference[0, : generated * SPF]) < TOLERANCE
 
 
-@LAYOUTS
-def test_snapshot_restores_a_primed_state_into_another_slot(decoder, codes, reference, channels_last):
+def test_snapshot_restores_a_primed_state_into_another_slot(decoder, codes, reference):
     """The engine primes a voice's reference codes once and restores that state for later streams."""
-    codec = StreamingCodecDecoder(decoder, max_streams=3, channels_last=channels_last)
+    codec = StreamingCodecDecoder(decoder, max_streams=3)
     ref_frames, generated = 40, 12
     codec.prime(0, codes[2, :ref_frames])
     state = codec.snapshot(0)
@@ -251,48 +237,6 @@ def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kerne
         expected, got = conv(x), phase_split_conv(conv, x)
     assert got.shape == expected.shape and got.is_contiguous()
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize(("channels", "out", "kernel", "dilation", "length"), [(8, 5, 7, 9, 200), (5, 3, 7, 9, 55)])
-def test_the_channels_last_phase_split_equals_the_dilated_conv(
-    channels: int, out: int, kernel: int, dilation: int, length: int,
-) -> None:
-    """The same split on channels-last input and weight (a slice in time, as the codec's inputs may be): the same
-    output, dense and channels-last."""
-    torch.manual_seed(dilation * length)
-    conv = torch.nn.Conv1d(channels, out, kernel, dilation=dilation).double()
-    x = channels_last_dense(torch.randn(3, channels, length + 4, dtype=torch.double))[..., 2 : 2 + length]
-    with torch.no_grad():
-        expected, got = conv(x), phase_split_conv_channels_last(conv, x, channels_last_weight(conv.weight))
-    assert got.shape == expected.shape and got.stride() == (expected.shape[2] * out, 1, out)
-    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
-
-
-def test_channels_last_keeps_every_convolution_channels_last(decoder, codes, reference, monkeypatch):
-    """`channels_last`: the histories and weights are laid out channels-last, and every convolution, transposed
-    and phase-split ones included, reads its input channels-last: no layout change left to cuDNN, which is what
-    the option is for (an input in the other layout would still decode right, so the audio alone cannot tell)."""
-    codec = StreamingCodecDecoder(decoder, max_streams=2, channels_last=True)
-    assert set(codec._weights) == set(codec._convs) and codec._phase_split
-    for module, weight in codec._weights.items():
-        assert torch.equal(weight, module.conv.weight)
-        assert weight.stride(1) == 1 or weight.shape[1] == 1  # a depthwise conv's [C, 1, k] is the same either way
-        history = codec._convs[module]
-        assert history.buffer.shape[1] == module.conv.in_channels and history.buffer.stride(1) == 1
-    inputs: list[torch.Tensor] = []
-
-    def recording(function):
-        def run(conv, x, weight):
-            inputs.append(x)
-            return function(conv, x, weight)
-        return run
-
-    monkeypatch.setattr(codec_module, "run_conv", recording(codec_module.run_conv))
-    monkeypatch.setattr(codec_module, "phase_split_conv_channels_last", recording(codec_module.phase_split_conv_channels_last))
-    audio = _stream(codec, [0, 1], codes[:2, :20], [1, 2, 4, 8, 5])
-    assert _max_error(audio, reference[:2, : 20 * SPF]) < TOLERANCE
-    assert len(inputs) == 5 * len(codec._convs)
-    assert all(x.stride(1) == 1 for x in inputs if x.shape[1] > 1)
 
 
 def test_phase_split_covers_the_decoders_widest_dilations(decoder: torch.nn.Module) -> None:

@@ -305,21 +305,3 @@ def test_a_failed_decode_fails_the_streams_in_flight_and_the_engine_goes_on(engi
     assert stream.result.finish_reason == "error"
     pcm, result = engine.synthesize_blocking("Next turn.", voice=voice, sampling=SamplingParams(max_frames=3, ignore_eos=True))
     assert result.frames == 3 and len(pcm) == 3 * 1920
-
-
-def test_a_channels_last_codec_gives_the_same_stream(engine: Engine, voice: Voice) -> None:
-    """`Engine(codec_channels_last=True)`: the same codes, and their audio to float rounding, through the whole
-    engine (an in-context voice, whose reference codes prime the codec); other backends refuse the option."""
-    other = engine_for("synthetic:tiny", max_streams=3, codec_channels_last=True)
-    try:
-        assert other.core.audio.codec.channels_last and not engine.core.audio.codec.channels_last
-        sampling = SamplingParams.greedy(max_frames=12, ignore_eos=True)
-        runs = [e.synthesize_blocking(TEXT, voice=voice, sampling=sampling) for e in (engine, other)]
-    finally:
-        other.close()
-    (pcm, result), (pcm_cl, result_cl) = runs
-    assert result.codes is not None and result_cl.codes is not None
-    assert np.array_equal(result.codes, result_cl.codes) and len(pcm) == len(pcm_cl) == 12 * 1920
-    assert np.abs(pcm).max() > 1e-3 and np.abs(pcm - pcm_cl).max() < 1e-5
-    with pytest.raises(ValueError, match="torch backend"):
-        Engine(official_model("synthetic:tiny"), backend="int8", codec_channels_last=True)  # type: ignore[arg-type]
