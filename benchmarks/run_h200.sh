@@ -2,7 +2,7 @@
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
-# Stages: smoke, sweep, kernels, codec-profile (a graphed codec call's kernels by kind, CODEC_SHAPES="1x1,16x8"),
+# Stages: smoke, sweep, kernels, codec-profile (a graphed codec call's kernels by kind, CODEC_SHAPES="1x1,16x8", CODEC_TAG),
 # kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against PyTorch), timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
 # and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
@@ -137,7 +137,7 @@ for stage in "$@"; do
     kernels) official -m benchmarks.kernels.bench_kernels --batches ${KERNEL_BATCHES:-1 4 16 32 64 128 256} --no-fp32-timing $pdl \
                --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" ;;
     codec-profile) official -m benchmarks.kernels.profile_codec ${CODEC_SHAPES:+--shapes $CODEC_SHAPES} \
-                     --out "$out/codec-profile.json" 2>&1 | tee "$out/codec-profile.log" ;;
+                     --out "$out/codec-profile${CODEC_TAG:-}.json" 2>&1 | tee "$out/codec-profile${CODEC_TAG:-}.log" ;;
     timeline) official -m benchmarks.engine.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
     loop) official -m benchmarks.engine.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces

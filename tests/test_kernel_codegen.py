@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qwen3tts_agent.kernels import codebooks, common, decode_layer, gemv
+from qwen3tts_agent.kernels import codebooks, common, conv_epilogue, decode_layer, gemv
 
 ATTENTION_SIGNATURE = {
     **dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr"), "*bf16"), "pos_ptr": "*i64",
@@ -98,3 +98,19 @@ def test_the_codebook_sum_loads_and_stores_16_bytes_at_a_time() -> None:
     accesses = [line for line in lines if "ld.global" in line or "st.global" in line]
     assert not [line for line in accesses if ".b16" in line], "a bf16 value read or written alone"
     assert any("st.global.v4" in line for line in accesses) and any("ld.global.v4" in line for line in accesses)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["bias", "bias+residual"])
+def test_the_conv_epilogue_loads_and_stores_16_bytes_at_a_time(residual: bool) -> None:
+    """Where its rows start 16-byte aligned and their length is a multiple of 16 (as in the released decoder's
+    blocks, where a frame is 32, 160, 640 and 1920 steps), the conv epilogue reads the convolution's output (and the
+    residual) and writes the sum and the activation eight bf16 values at a time. (Where the next convolution's
+    history leaves its rows unaligned, the stores there go a value at a time, as the history copy's did.)"""
+    pointers = ("raw_ptr", "bias_ptr", "residual_ptr", "alpha_ptr", "inv_beta_ptr", "sum_ptr", "out_ptr")
+    signature = {**dict.fromkeys(pointers, "*bf16"), "channels": "i32", "length": "i32",
+                 **dict.fromkeys(("stride_rb", "stride_rc", "stride_sb", "stride_sc", "stride_ob", "stride_oc"), "i32")}
+    constants = dict(BLOCK=conv_epilogue.BLOCK, RESIDUAL=residual, KEEP_SUM=True, LIBDEVICE=True)
+    lines = _ptx(conv_epilogue._epilogue_kernel, signature, constants, False, divisible=("length",))
+    wide_loads = [line for line in lines if "ld.global" in line and ".v4" in line]
+    wide_stores = [line for line in lines if "st.global.v4" in line]
+    assert len(wide_loads) >= (2 if residual else 1) and len(wide_stores) >= 2, "a bf16 row read or written a value at a time"

@@ -22,7 +22,6 @@ import torch
 
 from qwen3tts_agent import Engine, SamplingParams, Voice
 from qwen3tts_agent.kernels import common as kernel_common
-from qwen3tts_agent.kernels.snake import FusedSnakeBeta
 from qwen3tts_agent.models.loading import load_official_model
 from qwen3tts_agent.reference import demo_reference
 
@@ -101,7 +100,7 @@ def compare(
     pcm, result = engine.synthesize_blocking(TEXT, voice=voice, language="english",
                                              sampling=SamplingParams.greedy(max_frames=frames))
     list(other.chunks())
-    activation_gap = fused_activation_gap(engine)
+    epilogue_gap = conv_epilogue_gap(engine)
     engine.close()
     ours = torch.tensor(result.codes)
     n = min(len(ours), len(theirs))
@@ -115,20 +114,25 @@ def compare(
         "frames_ours": int(len(ours)), "identical": bool(first_diff == n and len(ours) == len(theirs)),
         "first_differing_frame": first_diff, "token_agreement": float((ours[:n] == theirs[:n]).float().mean()),
         "frame_agreement": float(equal_frames.float().mean()), "max_wave_abs_error": wav_err, "official_seconds": official_s,
-        "fused_activation_max_abs_diff": activation_gap,
+        "conv_epilogue_max_abs_diff": epilogue_gap,
     }, ours, theirs
 
 
 @torch.inference_mode()
-def fused_activation_gap(engine: Engine) -> float:
-    """Largest difference between the codec's fused SnakeBeta kernels and the official modules, on random input."""
+def conv_epilogue_gap(engine: Engine) -> float:
+    """Largest difference between the codec's conv epilogue kernels (bias, residual, SnakeBeta) and the PyTorch ops
+    they replace, on random input (0.0 where the codec runs the modules)."""
+    codec = engine.core.audio.codec
     generator = torch.Generator(engine.device).manual_seed(0)
     gap = 0.0
-    for snake in engine.core.audio.codec._snakes.values():
-        if not isinstance(snake, FusedSnakeBeta):  # a module the kernel does not take runs as itself
-            continue
-        x = torch.randn(3, snake.alpha.shape[0], 5000, device=engine.device, generator=generator).to(engine.dtype) * 3
-        gap = max(gap, float((snake(x).float() - snake.module(x).float()).abs().max()))
+    for stage, epilogue in zip(codec._stages, codec._epilogues, strict=False):  # none where the codec runs the modules
+        shape = (3, epilogue.bias.shape[0], 5000)
+        raw, residual = (torch.randn(shape, device=engine.device, generator=generator).to(engine.dtype) * 3 for _ in range(2))
+        out = torch.empty_like(raw)
+        epilogue(raw, out, residual if stage.adds_residual else None)
+        total = raw + epilogue.bias[:, None]
+        expected = stage.activation(total + residual if stage.adds_residual else total)
+        gap = max(gap, float((out.float() - expected.float()).abs().max()))
     return gap
 
 

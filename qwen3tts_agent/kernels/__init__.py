@@ -5,7 +5,8 @@
 - `decode_layer`: a decoder layer's decode step (four GEMVs and the attention kernel).
 - `sampling`: the sampling of one row of logits (`fused_sample`, and `sample_row` for other kernels).
 - `frame`: the per-row bookkeeping that ends a predictor step and a talker step, sampling included.
-- `snake`: the codec's SnakeBeta activation.
+- `conv_epilogue`: what follows each of the codec's audio-rate convolutions (bias, residual, SnakeBeta).
+- `codebooks`, `history`, `codec_layer`: the codec's codebook sums, convolution histories and transformer layers.
 - `common`: what they share (import guard, launch options, Triton helpers).
 
 Each family has a `supports(...)` check; the engine decides at load which of its stacks run as these

@@ -7,6 +7,10 @@ three kernels per convolution and some sixty per codec call. Here one program pe
 block of time) writes its block of the concatenation; a block holds the whole history, so the first block's
 program is the only one that reads a slot's history, and it writes the new one after every read of the old
 (the slots of a call are distinct). Tensors are [B, C, time] with any strides: a chunk need not be contiguous.
+
+Where the op before the convolution already wrote the chunk behind the room for the history (`kernels.conv_epilogue`
+does), `complete_history` runs the first block's programs alone: they copy the histories in and keep the new ones,
+and the chunk is not copied at all.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ BLOCK_C, BLOCK_T = 32, 64  # BLOCK_T: at least; a longer history takes a block o
 def _extend_kernel(
     hist_ptr, x_ptr, full_ptr, slots_ptr, channels, hist_len, x_len,
     stride_hs, stride_hc, stride_ht, stride_xb, stride_xc, stride_xt, stride_fb, stride_fc, stride_ft,
-    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, X_IN_FULL: tl.constexpr,
 ):
+    """X_IN_FULL: x is full's own tail (already written): only the history's steps are stored into full."""
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     first_block = tl.program_id(2) == 0
@@ -43,8 +48,11 @@ def _extend_kernel(
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     ok = ok_c & (t < hist_len + x_len)
     from_hist = tl.load(hist + t.to(tl.int64) * stride_ht, mask=ok & (t < hist_len), other=0.0)
-    from_x = tl.load(x + (t - hist_len).to(tl.int64) * stride_xt, mask=ok & (t >= hist_len), other=0.0)
-    tl.store(full + t.to(tl.int64) * stride_ft, tl.where(t < hist_len, from_hist, from_x), mask=ok)
+    if X_IN_FULL:
+        tl.store(full + t.to(tl.int64) * stride_ft, from_hist, mask=ok & (t < hist_len))
+    else:
+        from_x = tl.load(x + (t - hist_len).to(tl.int64) * stride_xt, mask=ok & (t >= hist_len), other=0.0)
+        tl.store(full + t.to(tl.int64) * stride_ft, tl.where(t < hist_len, from_hist, from_x), mask=ok)
     if first_block:  # the one program of this slot and channel block that reads the old history writes the new
         j = tl.arange(0, BLOCK_T)[None, :]  # new step j = the concatenation's step x_len + j
         src = x_len + j
@@ -74,6 +82,20 @@ def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) 
     grid = (batch, triton.cdiv(channels, BLOCK_C), triton.cdiv(hist_len + steps, block_t))
     _extend_kernel[grid](
         history, x, full, slots, channels, hist_len, steps, *history.stride(), *x.stride(), *full.stride(),
-        BLOCK_C=BLOCK_C, BLOCK_T=block_t,
+        BLOCK_C=BLOCK_C, BLOCK_T=block_t, X_IN_FULL=False,
+    )
+    return full
+
+
+def complete_history(history: torch.Tensor, slots: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`extend_history` where full [B, C, H + T] (time contiguous) already holds the chunk in its last T steps:
+    write history[slots] into its first H steps, and make its last H steps the slots' new history. Returns `full`."""
+    batch, channels, length = full.shape
+    hist_len = history.shape[2]
+    x = full[..., hist_len:]
+    block_t = max(BLOCK_T, triton.next_power_of_2(hist_len))
+    _extend_kernel[(batch, triton.cdiv(channels, BLOCK_C), 1)](  # the first time block alone: the history's
+        history, x, full, slots, channels, hist_len, length - hist_len, *history.stride(), *x.stride(), *full.stride(),
+        BLOCK_C=BLOCK_C, BLOCK_T=block_t, X_IN_FULL=True,
     )
     return full

@@ -1,5 +1,5 @@
 """The codebook-sum kernel equals the PyTorch lookups (`engine/audio/codebooks.py`) (inside the codec:
-tests/kernels/test_snake_kernel.py, `test_streaming_codec_on_its_kernels`).
+tests/kernels/test_conv_epilogue_kernel.py, `test_streaming_codec_on_its_kernels`).
 
 On a GPU both sides round every partial sum the same way: the results are equal. Under the interpreter bf16 is
 converted by truncation where PyTorch rounds to nearest, so there the reference truncates its partial sums too.

@@ -16,24 +16,26 @@ Shapes depend only on the call's (slots, frames), never on a stream's history, a
 index_select / index_copy_ on a slot tensor, so one call can be captured as a CUDA graph per bucket.
 
 On a GPU the transformer runs as `codec_transformer.FusedCodecTransformer` (about ten launches a layer instead
-of sixty; equal to the official layers to float rounding) on the same state.
+of sixty; equal to the official layers to float rounding) on the same state, and the audio half's elementwise work
+as one kernel after each convolution (`kernels.conv_epilogue`: the bias, the residual and the SnakeBeta
+activation, written straight into the next convolution's input behind its history), the same roundings as the
+modules' kernels.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import codec_layer
+from ...kernels import codec_layer, conv_epilogue
 from ...kernels import common as kernel_common
 from ...kernels import history as history_kernel
-from ...kernels import snake as snake_kernel
 from ...models.compat import OfficialModule
 from ..runner import upload
 from .codebooks import CodebookTables
@@ -50,17 +52,29 @@ class SlotHistory:
         self.buffer = buffer
         self.dim = dim
         self.size = buffer.shape[dim]
-        self._fused = buffer.dim() == 3 and dim in (-1, 2) and bool(history_kernel.supports(buffer))
+        self.fused = buffer.dim() == 3 and dim in (-1, 2) and bool(history_kernel.supports(buffer))  # on the kernel
 
     def extend(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Return the slots' history followed by `x`, and keep the newest `size` steps as the new history."""
         if self.size == 0:
             return x
-        if self._fused:
+        if self.fused:
             return history_kernel.extend_history(self.buffer, slots, x)
         full = torch.cat([self.buffer.index_select(0, slots), x], dim=self.dim)
         length = full.shape[self.dim]
         self.buffer.index_copy_(0, slots, full.narrow(self.dim, length - self.size, self.size))
+        return full
+
+    def room(self, batch: int, steps: int) -> torch.Tensor:
+        """An uninitialised [B, C, size + steps] for `complete`: the caller writes a chunk into its last steps."""
+        channels = self.buffer.shape[1]
+        return torch.empty(batch, channels, self.size + steps, device=self.buffer.device, dtype=self.buffer.dtype)
+
+    def complete(self, slots: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """`extend` for a chunk already written into the last steps of `full` (from `room`): the history kernel
+        writes the slots' histories before it and keeps the newest steps, without copying the chunk."""
+        if self.size:
+            history_kernel.complete_history(self.buffer, slots, full)
         return full
 
 
@@ -76,8 +90,9 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 PHASE_SPLIT_MIN_DILATION = 9
 
 
-def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases.
+def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases (without the
+    conv's bias if not `bias`), time contiguous (a slice in time of a longer tensor).
 
     Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
     ordinary convolution's input: the phases go into the batch, and their outputs interleave back. The sums
@@ -89,9 +104,9 @@ def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     steps = -(-out_len // d) + k - 1  # per phase, padded so that every phase has whole outputs
     phases = F.pad(x, (0, d * steps - length)).view(batch, channels, steps, d)
     phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, steps)
-    y = F.conv1d(phases, conv.weight, conv.bias)  # [batch * d, out, steps - k + 1]
+    y = F.conv1d(phases, conv.weight, conv.bias if bias else None)  # [batch * d, out, steps - k + 1]
     y = y.view(batch, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(batch, y.shape[1], -1)
-    return y[..., :out_len].contiguous()
+    return y[..., :out_len]
 
 
 class StreamingCodecDecoder:
@@ -105,13 +120,17 @@ class StreamingCodecDecoder:
     (a few MB with the real shapes; `auto_max_streams` budgets for it).
     """
 
-    def __init__(self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None) -> None:
+    def __init__(
+        self, decoder: OfficialModule, max_streams: int, fused_transformer: bool | None = None,
+        fused_audio: bool | None = None,
+    ) -> None:
         """Allocate zeroed state for `max_streams` slots of the official decoder module `decoder`.
 
         `fused_transformer`: run the transformer on the `kernels.codec_layer` kernels (`FusedCodecTransformer`,
         equal to the official layers to float rounding); None: on a GPU where they take the transformer (not
         under Triton's interpreter, whose engine tests would take minutes longer: its own tests ask for it);
         True: required (ValueError if the kernels do not run here or refuse it); False: the official layers.
+        `fused_audio`: the same choice for the audio half's epilogue kernels (`kernels.conv_epilogue`).
         """
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
@@ -161,12 +180,28 @@ class StreamingCodecDecoder:
             if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
             and module.conv.stride[0] == 1 and module.conv.groups == 1
         }
-        # the audio-rate activations (the largest elementwise work of a decode) as one kernel each where the
-        # kernel takes the module (`kernels.snake`; it runs the module itself where Triton does not run)
-        self._snakes: dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {
-            module: snake_kernel.FusedSnakeBeta(module) if snake_kernel.supports(module) else module
-            for module in snake_kernel.snake_modules(decoder.decoder)
-        }
+        # the audio half: its convolutions, each with the bias, residual and activation after it
+        self._stages = conv_epilogue.decoder_stages(decoder.decoder)
+        self._last_conv = decoder.decoder[-1]
+        audio_support = self._audio_support()
+        if fused_audio and not audio_support:
+            raise ValueError(f"the conv epilogue kernels do not run here: {audio_support.reason}")
+        self._epilogues: list[conv_epilogue.ConvEpilogue] = []
+        if audio_support and (fused_audio or (fused_audio is None and self.device.type == "cuda")):
+            self._epilogues = [conv_epilogue.ConvEpilogue(stage.conv.conv, stage.activation) for stage in self._stages]
+        self.audio_path = "triton" if self._epilogues else f"pytorch ({audio_support.reason or 'fused audio off'})"
+
+    def _audio_support(self) -> kernel_common.Support:
+        """Whether the epilogue kernels take the audio half here: Triton runs, every stage is one the kernel takes,
+        and the history kernel continues every convolution's input after one."""
+        if not kernel_common.available(self.device):
+            return kernel_common.unsupported(f"no Triton kernels on {self.device.type}")
+        if not (support := conv_epilogue.supports_decoder(self._decoder.decoder)):
+            return support
+        refused = [stage for stage in self._stages if self._convs[stage.next_conv].size and not self._convs[stage.next_conv].fused]
+        if refused:
+            return kernel_common.unsupported(f"a history the history kernel refuses ({refused[0].next_conv.conv})")
+        return kernel_common.SUPPORTED
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(self.max_streams, *shape, device=self.device, dtype=self.dtype)
@@ -289,28 +324,60 @@ class StreamingCodecDecoder:
         decoder = self._decoder
         for upsample, convnext in decoder.upsample:
             hidden = self._convnext(convnext, self._conv(upsample, hidden, slots), slots)
-        first, *blocks, snake, last = decoder.decoder
-        act = self._snakes
-        hidden = self._conv(first, hidden, slots)
-        for block in blocks:
-            activation, upsample, *units = block.block
-            hidden = self._conv(upsample, act[activation](hidden), slots)
-            for unit in units:
-                inner = self._conv(unit.conv1, act[unit.act1](hidden), slots)
-                hidden = hidden + self._conv(unit.conv2, act[unit.act2](inner), slots)
-        return self._conv(last, act[snake](hidden), slots).clamp(min=-1, max=1)
+        if self._epilogues:
+            return self._audio_on_epilogues(slots, hidden)
+        residual = hidden
+        for stage in self._stages:  # the modules' own ops, as the official forward runs them
+            total = self._conv(stage.conv, hidden, slots)
+            if stage.adds_residual:
+                total = total + residual
+            if stage.keeps_sum:
+                residual = total
+            hidden = stage.activation(total)
+        return self._conv(self._last_conv, hidden, slots).clamp(min=-1, max=1)
+
+    def _audio_on_epilogues(self, slots: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`_audio`'s stages with each convolution's bias, residual and activation in its epilogue kernel, which
+        writes the next convolution's input straight behind the room for that convolution's history."""
+        full = self._convs[self._stages[0].conv].extend(slots, hidden)
+        residual = hidden
+        for stage, epilogue in zip(self._stages, self._epilogues, strict=True):
+            raw = self._chunk_out(stage.conv, self._unbiased_conv(stage.conv, full), full.shape[-1])
+            history = self._convs[stage.next_conv]
+            full = history.room(raw.shape[0], raw.shape[-1])
+            total = epilogue(
+                raw, full[..., history.size :], residual if stage.adds_residual else None, keep_sum=stage.keeps_sum,
+            )
+            if total is not None:
+                residual = total
+            history.complete(slots, full)
+        return self._last_conv.conv(full).clamp(min=-1, max=1)
 
     def _conv(self, module: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""
-        history = self._convs[module]
         conv = module.conv
-        full = history.extend(slots, x)
-        y = phase_split_conv(conv, full) if module in self._phase_split else conv(full)
+        full = self._convs[module].extend(slots, x)
+        y = phase_split_conv(conv, full).contiguous() if module in self._phase_split else conv(full)
+        return self._chunk_out(module, y, full.shape[-1])
+
+    def _unbiased_conv(self, module: OfficialModule, full: torch.Tensor) -> torch.Tensor:
+        """The convolution of `full` (a history and a chunk) without its bias, time contiguous."""
+        conv = module.conv
+        if module in self._phase_split:
+            return phase_split_conv(conv, full, bias=False)
         if isinstance(conv, nn.ConvTranspose1d):
-            # Outputs of the history samples are already out; those past the chunk wait for the next input.
-            stride = conv.stride[0]
-            return y[..., history.size * stride : (history.size + x.shape[-1]) * stride]
-        return y
+            return F.conv_transpose1d(full, conv.weight, None, conv.stride, 0, 0, conv.groups, conv.dilation)
+        return F.conv1d(full, conv.weight, None, conv.stride, 0, conv.dilation, conv.groups)
+
+    def _chunk_out(self, module: OfficialModule, y: torch.Tensor, length: int) -> torch.Tensor:
+        """The outputs of a chunk's convolution `y` over `length` input steps (history and chunk) that are new:
+        all of an ordinary convolution's; a transposed one's outputs of the history samples are already out, and
+        those past the chunk wait for the next input."""
+        conv = module.conv
+        if not isinstance(conv, nn.ConvTranspose1d):
+            return y
+        stride, history = conv.stride[0], self._convs[module].size
+        return y[..., history * stride : length * stride]
 
     def _convnext(self, block: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         hidden = self._conv(block.dwconv, x, slots).transpose(1, 2)

@@ -2,7 +2,7 @@
 
 The runner turns the answer into two flags (`ModelRunner.fused_talker`, `fused_predictor`) and keeps it as
 `kernel_paths`, which the engine's stats report per stack (`EngineStats.kernel_paths`); the codec decoder
-makes the same `snake.supports` and `codec_layer.supports_transformer` checks itself. Kept apart from the
+makes the same `conv_epilogue.supports_decoder` and `codec_layer.supports_transformer` checks itself. Kept apart from the
 runner because the choice reads only the stacks' shapes and the kernels' `supports` checks, none of the
 runner's state.
 """
@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from ...kernels import codec_layer, decode_layer, gemv, snake
+from ...kernels import codec_layer, conv_epilogue, decode_layer, gemv
 from ...kernels import common as kernel_common
 from ...kernels import frame as frame_kernels
 from ...kernels import sampling as sampling_kernels
@@ -40,7 +40,7 @@ def choose_kernel_paths(
     A stack runs fused only if every kernel family it uses takes its shapes (`supports`), so no shape
     ever fails a step: the rest stays on the PyTorch layers, which the CUDA graphs capture just the
     same. Shapes the kernels refuse are worth a warning (that stack is slower); no GPU or
-    `fused_kernels=False` (`requested`) is not. The codec's kernels (SnakeBeta, the fused transformer) do not
+    `fused_kernels=False` (`requested`) is not. The codec's kernels (the conv epilogues, the fused transformer) do not
     follow `fused_kernels`.
     """
 
@@ -56,7 +56,7 @@ def choose_kernel_paths(
         "talker": stack(talker),
         "predictor": stack(predictor),
         "codec": [
-            *(snake.supports(m) for m in snake.snake_modules(codec_decoder)),
+            conv_epilogue.supports_decoder(codec_decoder.decoder),
             codec_layer.supports_transformer(codec_decoder.pre_transformer),
         ],
     }

@@ -57,7 +57,7 @@ def decoder() -> torch.nn.Module:
 
 
 def tiny_decoder() -> torch.nn.Module:
-    """The official decoder with tiny widths and the seeded weights of `_init` (also used by tests/kernels/test_snake_kernel.py)."""
+    """The official decoder with tiny widths and the seeded weights of `_init` (also used by the kernel tests)."""
     import_qwen_tts()
     from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2DecoderConfig,
@@ -229,14 +229,17 @@ def test_synthetic_tiny_speech_tokenizer_matches_official_decode():
     (8, 5, 7, 9, 200), (8, 8, 7, 9, 55), (4, 4, 7, 3, 31), (6, 6, 3, 2, 9), (5, 3, 7, 9, 55),
 ])
 def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kernel: int, dilation: int, length: int) -> None:
-    """The dilated conv run undilated over its phases gives the same output, whatever the length's remainder."""
+    """The dilated conv run undilated over its phases gives the same output, whatever the length's remainder, with
+    or without the bias (which the codec's epilogue kernels add themselves)."""
     torch.manual_seed(dilation * length)
     conv = torch.nn.Conv1d(channels, out, kernel, dilation=dilation).double()
     x = torch.randn(3, channels, length, dtype=torch.double)
     with torch.no_grad():
         expected, got = conv(x), phase_split_conv(conv, x)
-    assert got.shape == expected.shape and got.is_contiguous()
+        unbiased = phase_split_conv(conv, x, bias=False)
+    assert got.shape == expected.shape and (got.stride(-1) == 1 or length - (kernel - 1) * dilation == 1)
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+    assert torch.allclose(unbiased + conv.bias[:, None], expected, rtol=0, atol=1e-12)
 
 
 def test_phase_split_covers_the_decoders_widest_dilations(decoder: torch.nn.Module) -> None:
