@@ -326,7 +326,7 @@ class StreamingCodecDecoder:
             hidden = self._convnext(convnext, self._conv(upsample, hidden, slots), slots)
         if self._epilogues:
             return self._audio_on_epilogues(slots, hidden)
-        residual = hidden
+        residual = hidden  # replaced by the first upsampling's output before any stage adds it
         for stage in self._stages:  # the modules' own ops, as the official forward runs them
             total = self._conv(stage.conv, hidden, slots)
             if stage.adds_residual:
@@ -340,7 +340,7 @@ class StreamingCodecDecoder:
         """`_audio`'s stages with each convolution's bias, residual and activation in its epilogue kernel, which
         writes the next convolution's input straight behind the room for that convolution's history."""
         full = self._convs[self._stages[0].conv].extend(slots, hidden)
-        residual = hidden
+        residual = hidden  # as in `_audio`
         for stage, epilogue in zip(self._stages, self._epilogues, strict=True):
             raw = self._chunk_out(stage.conv, self._unbiased_conv(stage.conv, full), full.shape[-1])
             history = self._convs[stage.next_conv]
