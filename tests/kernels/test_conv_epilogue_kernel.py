@@ -1,10 +1,10 @@
 """The conv epilogue kernel equals the PyTorch ops it replaces (bias added to the convolution's output, a residual
 added, the official SnakeBeta module), alone and inside the streaming codec decoder.
 
-On a GPU both sides round alike: the results are equal. Under the interpreter numpy's float32 sin may differ from
-PyTorch's in the last bit, so fp32 is compared to 1e-6; and the interpreter converts to bf16 by truncation where
-PyTorch rounds to nearest, so there the bf16 reference truncates each stored intermediate too (and may still
-differ by the sin's last bit, so by a unit in the last place).
+On a GPU both sides round alike: the results are equal. Under the interpreter the sums are still exact, but numpy's
+float32 sin may differ from PyTorch's in the last bit, so the activation is compared in units in the last place; and
+the interpreter converts to bf16 by truncation where PyTorch rounds to nearest, so there the bf16 reference
+truncates each stored intermediate too.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def test_the_kernel_equals_the_ops(device: str, dtype: torch.dtype, residual: bo
     """raw a slice in time of a longer output (as a transposed convolution's is), out the chunk's part of a wider
     buffer behind a history (as the next convolution's input is); time not a whole number of blocks."""
     generator = torch.Generator().manual_seed(channels)
+    torch.manual_seed(channels)  # the conv's bias, whatever ran before
     conv = nn.Conv1d(channels, channels, 1).to(device, dtype)
     snake = _module(channels, dtype, device)
     epilogue = conv_epilogue.ConvEpilogue(conv, snake)
@@ -81,11 +82,11 @@ def test_the_kernel_equals_the_ops(device: str, dtype: torch.dtype, residual: bo
         assert torch.equal(total.float(), expected_total) and torch.equal(got, expected)
         return
     assert torch.equal(total.float(), expected_total)  # additions only: exact in either mode
-    if dtype == torch.float32:
-        assert float((got - expected).abs().max()) < 1e-6
-    else:
-        ulp = torch.finfo(dtype).eps * expected.abs().clamp(min=1e-3)
-        assert float(((got - expected).abs() / ulp).max()) <= 2
+    # fp32: two sins a unit or two apart in the last place, squared and scaled by 1/β, are a few units of the bump,
+    # which is at most twice the larger of the activation's input and output (the two may cancel); bf16: that fp32
+    # difference rarely moves a truncation
+    ulp = torch.finfo(dtype).eps * torch.maximum(expected_total.abs(), expected.abs()).clamp(min=1e-3)
+    assert float(((got - expected).abs() / ulp).max()) <= (8 if dtype == torch.float32 else 2)
 
 
 @torch.no_grad()
@@ -96,7 +97,8 @@ def test_without_keeping_the_sum_it_writes_the_activation_only(device: str) -> N
     raw = torch.randn(3, channels, 40, generator=torch.Generator().manual_seed(3)).to(device)
     out = torch.empty_like(raw)
     assert conv_epilogue.ConvEpilogue(conv, snake)(raw, out) is None
-    assert float((out - snake(raw + conv.bias[:, None])).abs().max()) < 1e-6
+    expected = snake(raw + conv.bias[:, None])
+    assert float(((out - expected).abs() / expected.abs().clamp(min=1.0)).max()) < 1e-6
 
 
 def test_supports_names_what_it_refuses() -> None:
