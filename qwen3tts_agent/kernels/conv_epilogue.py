@@ -9,9 +9,10 @@ on an H100 these passes took more of a codec call than the convolutions themselv
 Here one program per (row, time block) reads the convolution's output without bias (and the residual) once and
 writes the activation's output straight into the next convolution's input, behind the room left for its history,
 plus the sum where it is the next unit's residual. Each step is rounded to the model dtype where PyTorch's kernels
-store it (the conv's output, output + bias, + residual, and the activation's intermediates as in
-`kernels.snake`), and fp32 products are not contracted into FMAs, so the result equals the PyTorch ops on a GPU,
-where cuDNN's convolution leaves the bias out as here.
+store it (the conv's output, output + bias, + residual, and the activation's x·α, sin, its square and the bump
+scaled by 1/β, five kernels in the module), sinf is libdevice's as in PyTorch's kernel, and fp32 products are not
+contracted into FMAs, so the result equals the PyTorch ops on a GPU, where cuDNN's convolution leaves the bias out
+as here.
 """
 
 from __future__ import annotations
