@@ -41,11 +41,12 @@ demo: setup
 
 # Two pytest workers (pytest-xdist), one file each at a time (a file's servers and clusters stay in one process),
 # one torch thread each, for CI's 2 cores (docs/design.md, Checks). TEST_WORKERS=0 runs it in one process.
+# The 15 slowest tests are listed at the end, to keep an eye on the run's length.
 TEST_WORKERS ?= 2
 ifeq ($(TEST_WORKERS),0)
-PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest -q
+PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=15
 else
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 endif
 test: setup system-packages
 	$(PYTEST)
