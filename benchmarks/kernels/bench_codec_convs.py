@@ -57,7 +57,9 @@ def main() -> None:
     codes = torch.randint(0, 2048, (STREAMS, FRAMES, 16), device="cuda")
     slots = list(range(STREAMS))
 
-    # the input shape of every dilated convolution in such a decode, recorded with the split off
+    # the input shape of every dilated convolution in such a decode, recorded with the split off, on the modules'
+    # path (the default path's epilogues call the convolutions functionally, past the modules' hooks)
+    recording = codec_module.StreamingCodecDecoder(decoder, max_streams=STREAMS, fused_audio=False)
     shapes: dict[torch.nn.Module, tuple[int, ...]] = {}
 
     def recorder(module: torch.nn.Module) -> Callable[..., None]:
@@ -67,10 +69,11 @@ def main() -> None:
 
     hooks = [
         module.conv.register_forward_pre_hook(recorder(module))
-        for module in codec._convs if isinstance(module.conv, torch.nn.Conv1d) and module.conv.dilation[0] > 1
+        for module in recording._convs if isinstance(module.conv, torch.nn.Conv1d) and module.conv.dilation[0] > 1
     ]
-    codec._phase_split = set()
-    codec.decode(slots, codes)
+    recording._phase_split = set()
+    recording.decode(slots, codes)
+    del recording
     for hook in hooks:
         hook.remove()
 
