@@ -90,16 +90,28 @@ async def _audio_then(ws: websockets.ClientConnection) -> list[dict[str, object]
             return messages
 
 
-def _serve(*extra: str) -> subprocess.Popen[bytes]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", "synthetic:tiny", "--backend", "torch",
-         "--port", str(port), "--max-streams", "4", "--log-level", "warning",
-         *([] if "--workers" in extra else ["--workers", "1"]), *extra],  # one worker: `_core_process` finds the core
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    process.port = port  # type: ignore[attr-defined]
-    return process
+def _serve(*extra: str, attempts: int = 3) -> subprocess.Popen[bytes]:
+    """A `serve` listening on a port of its own. The port is free when chosen but may be taken before the server
+    binds it (the other test worker's clients draw outgoing ports from the same range): a server that exits before
+    it listens is started again on another port, up to `attempts` times."""
+    for _ in range(attempts):
+        port = _free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "qwen3tts_agent.cli", "serve", "--model", "synthetic:tiny", "--backend", "torch",
+             "--port", str(port), "--max-streams", "4", "--log-level", "warning",
+             *([] if "--workers" in extra else ["--workers", "1"]), *extra],  # one worker: `_core_process` finds the core
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        process.port = port  # type: ignore[attr-defined]
+        deadline = time.monotonic() + STARTUP_S
+        while process.poll() is None and time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    return process
+            time.sleep(0.1)
+        if process.poll() is None:
+            return process  # not listening yet: the test's own wait reports it
+    raise AssertionError(f"serve exited before listening, {attempts} times (exit code {process.returncode})")
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
