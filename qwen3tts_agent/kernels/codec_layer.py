@@ -28,12 +28,11 @@ from torch import nn
 
 from ..models.compat import OfficialModule
 from . import common
-from .common import jit, round_to
+from .common import expf, jit, round_to, rsqrtf
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # keeps the module importable without triton; common.available() reports False
     pass
 
@@ -99,20 +98,7 @@ def _is_rms_norm(module: nn.Module, width: int) -> bool:
             and weight.shape == (width,) and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
-def _libdevice() -> bool:
-    """Whether the kernels call libdevice (compiled); the interpreter has only tl's own math."""
-    return not common.interpreting()
-
-
 # ------------------------------------------------------------------------------------------------ RMSNorm
-
-
-@jit
-def _rsqrt(x, LIBDEVICE: tl.constexpr):
-    """rsqrtf as PyTorch's CUDA kernel computes it."""
-    if LIBDEVICE:
-        return libdevice.rsqrt(x)
-    return tl.math.rsqrt(x)
 
 
 @jit
@@ -130,7 +116,7 @@ def _rms_norm_kernel(
     total = tl.sum(xf * xf, axis=0)
     # PyTorch's mean: CUDA multiplies the sum by the fp32 reciprocal of the count, the CPU divides by it
     variance = total * inv_width if MEAN_BY_RECIPROCAL else tl.math.div_rn(total, width_f)
-    normed = round_to(xf * _rsqrt(variance + eps, LIBDEVICE), dt)
+    normed = round_to(xf * rsqrtf(variance + eps, LIBDEVICE), dt)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * width + cols, (w * normed).to(dt), mask=ok)
 
@@ -153,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block = common.next_power_of_2(width)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight, out, width, x2.stride(0), float(width), _fp32_reciprocal(width), eps,
-        BLOCK=block, MEAN_BY_RECIPROCAL=x.device.type == "cuda", LIBDEVICE=_libdevice(),
+        BLOCK=block, MEAN_BY_RECIPROCAL=x.device.type == "cuda", LIBDEVICE=not common.interpreting(),
         num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
     )
     return out
@@ -311,7 +297,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, features, stride_x, BLOCK: tl.constexpr, LI
     up = tl.load(x_ptr + row * stride_x + features + f, mask=ok, other=0.0).to(tl.float32)
     dt = gate.dtype
     g = gate.to(tl.float32)
-    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    e = expf(-g, LIBDEVICE)
     silu = round_to(tl.math.div_rn(g, 1.0 + e), dt)  # PyTorch's x / (1 + exp(-x)), IEEE division
     tl.store(out_ptr + row * features + f, (silu * up).to(dt), mask=ok)
 
@@ -325,7 +311,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, features, device=gate_up.device, dtype=gate_up.dtype)
     block = min(common.next_power_of_2(features), SILU_BLOCK)
     _silu_mul_kernel[(rows, triton.cdiv(features, block))](
-        gate_up, out, features, gate_up.stride(0), BLOCK=block, LIBDEVICE=_libdevice(),
+        gate_up, out, features, gate_up.stride(0), BLOCK=block, LIBDEVICE=not common.interpreting(),
         num_warps=4, enable_fp_fusion=False,
     )
     return out

@@ -23,6 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # keeps the package importable on installs without triton; available() reports False
     triton = None
 
@@ -169,6 +170,39 @@ def own_counters(buffer: torch.Tensor) -> Iterator[None]:
 def round_to(x, dtype: tl.constexpr):
     """x rounded to the model dtype, back in fp32: the PyTorch path stores its intermediates in that dtype."""
     return x.to(dtype).to(tl.float32)
+
+
+# Float math as PyTorch's CUDA kernels compute it, where tl's own may lower to approximate instructions (tl.exp to
+# ex2.approx): libdevice's when compiled (LIBDEVICE=not interpreting()); tl's, i.e. numpy's, when interpreted, where
+# there is no libdevice.
+
+
+@jit
+def expf(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@jit
+def logf(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    return tl.log(x)
+
+
+@jit
+def sinf(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.sin(x)
+    return tl.sin(x)
+
+
+@jit
+def rsqrtf(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.rsqrt(x)
+    return tl.math.rsqrt(x)
 
 
 @jit

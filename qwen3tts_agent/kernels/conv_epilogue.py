@@ -25,12 +25,11 @@ from torch import nn
 
 from ..models.compat import OfficialModule
 from . import common
-from .common import jit, round_to
+from .common import jit, round_to, sinf
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # keeps the module importable without triton; common.available() reports False
     pass
 
@@ -80,14 +79,6 @@ def supports_decoder(audio_decoder: OfficialModule) -> common.Support:
 
 
 @jit
-def _sin(x, LIBDEVICE: tl.constexpr):
-    """sinf as PyTorch's CUDA kernel computes it (tl.sin may lower to the approximate instruction)."""
-    if LIBDEVICE:
-        return libdevice.sin(x)
-    return tl.sin(x)
-
-
-@jit
 def _epilogue_kernel(
     raw_ptr, bias_ptr, residual_ptr, alpha_ptr, inv_beta_ptr, sum_ptr, out_ptr, channels, length,
     stride_rb, stride_rc, stride_sb, stride_sc, stride_ob, stride_oc,
@@ -108,7 +99,7 @@ def _epilogue_kernel(
     if KEEP_SUM:
         tl.store(sum_ptr + dense, h.to(dt), mask=ok)
     scaled = round_to(h * tl.load(alpha_ptr + c).to(tl.float32), dt)
-    sine = round_to(_sin(scaled, LIBDEVICE), dt)
+    sine = round_to(sinf(scaled, LIBDEVICE), dt)
     bump = round_to(tl.load(inv_beta_ptr + c).to(tl.float32) * round_to(sine * sine, dt), dt)
     tl.store(out_ptr + b * stride_ob + c * stride_oc + t, (h + bump).to(dt), mask=ok)
 

@@ -23,16 +23,15 @@ path; without ties the drawn tokens are the same. -0.0 counts as +0.0.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import common
-from .common import jit
+from .common import expf, jit, logf
 
-try:
+with contextlib.suppress(ImportError):  # keeps the module importable without triton; common.available() reports False
     import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # keeps the module importable without triton; common.available() reports False
-    pass
 
 
 def supports(dtype: torch.dtype) -> common.Support:
@@ -46,22 +45,6 @@ def _pcg_hash(x):
     state = x * 747796405 + 2891336453
     word = ((state >> ((state >> 28) + 4)) ^ state) * 277803737
     return (word >> 22) ^ word
-
-
-@jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    """expf as PyTorch's CUDA softmax uses it (tl.exp lowers to the approximate ex2); numpy's when interpreted."""
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    return tl.exp(x)
-
-
-@jit
-def _log(x, LIBDEVICE: tl.constexpr):
-    """logf as torch.log uses it on a GPU; numpy's when interpreted (the interpreter has no libdevice)."""
-    if LIBDEVICE:
-        return libdevice.log(x)
-    return tl.log(x)
 
 
 @jit
@@ -94,7 +77,7 @@ def _draw(
     rank = tl.arange(0, KP)
     logit = tl.math.div_rn(value, temperature)
     logit = tl.where((rank < K) & (rank < top_k), logit, float("-inf"))
-    e = _exp(logit - tl.max(logit, 0), LIBDEVICE)
+    e = expf(logit - tl.max(logit, 0), LIBDEVICE)  # as PyTorch's CUDA softmax
     probs = tl.math.div_rn(e, tl.sum(e, 0))
     better = tl.cumsum(probs, 0) - probs
     cut = tl.where(top_p < 1.0, top_p, float("inf"))  # as in transformers, top_p >= 1 cuts nothing
@@ -104,7 +87,7 @@ def _draw(
     h = _pcg_hash(h ^ counter.to(tl.uint32))
     h = _pcg_hash(h ^ (seed >> 32).to(tl.uint32))
     u = (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
-    gumbel = -_log(-_log(u, LIBDEVICE), LIBDEVICE)  # +inf where u rounds to 1: never for a removed candidate
+    gumbel = -logf(-logf(u, LIBDEVICE), LIBDEVICE)  # +inf where u rounds to 1: never for a removed candidate
     choice = tl.argmax(tl.where(logit == float("-inf"), logit, logit + gumbel), 0, tie_break_left=True)
     return tl.sum(tl.where(rank == choice, token, 0), 0).to(tl.int64)
 
