@@ -3,7 +3,9 @@
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
 # benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
 # Stages: smoke, sweep, kernels, codec-profile (a graphed codec call's kernels by kind, CODEC_SHAPES="1x1,16x8", CODEC_TAG),
-# kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against PyTorch), timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
+# kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against PyTorch; KERNEL_TESTS names other test files,
+# e.g. "tests/kernels/test_conv_epilogue_kernel.py tests/kernels/test_history_kernel.py": the whole suite takes ~6.5 min on an H100),
+# timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
 # and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
@@ -150,7 +152,7 @@ for stage in "$@"; do
     parity-odd) official -m benchmarks.engine.gpu_parity --frames 40 --dtypes float32 --max-seq-len 256 $flags $pdl \
                   --model synthetic:odd,synthetic:odd-customvoice,synthetic:odd-voicedesign,synthetic:widehead \
                   --out "$out/parity-odd.json" 2>&1 | tee "$out/parity-odd.log" ;;
-    kernel-tests) PYTHONPATH=/tmp/official:. python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels \
+    kernel-tests) PYTHONPATH=/tmp/official:. python3 -m pytest -m gpu -q -p no:cacheprovider ${KERNEL_TESTS:-tests/kernels} \
                     2>&1 | tee "$out/kernel-tests.log" ;;
     engine-0.6b) official -m benchmarks.engine.bench_engine --model synthetic:0.6b --rates ${RATES:-8,16,32,48} --window ${WINDOW:-8} \
                    $flags $pdl --out "$out/engine-0.6b.json" 2>&1 | tee "$out/engine-0.6b.log" ;;
