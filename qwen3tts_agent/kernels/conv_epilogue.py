@@ -110,15 +110,6 @@ def _epilogue_kernel(
     tl.store(out_ptr + b * stride_ob + c * stride_oc + t * stride_ot, (h + bump).to(dt), mask=ok)
 
 
-def _empty_like_layout(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialised dense tensor of `x`'s shape whose channels are contiguous if `x`'s are ([B, T, C] in
-    memory, as a channels-last convolution writes), else its time steps ([B, C, T])."""
-    batch, channels, length = x.shape
-    if channels > 1 and x.stride(1) == 1:
-        return torch.empty(batch, length, channels, device=x.device, dtype=x.dtype).transpose(1, 2)
-    return torch.empty(batch, channels, length, device=x.device, dtype=x.dtype)
-
-
 def supports(conv: nn.Module, activation: nn.Module) -> common.Support:
     """Whether the kernel takes a convolution (`nn.Conv1d` or `nn.ConvTranspose1d` with a bias) followed by a
     SnakeBeta module (per-channel α and β), in a tested dtype."""
@@ -161,7 +152,7 @@ class ConvEpilogue:
             raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} need one shape")
         if residual is not None and residual.shape != raw.shape:
             raise ValueError(f"the residual must be of shape {tuple(raw.shape)}, got {tuple(residual.shape)}")
-        total = _empty_like_layout(raw) if keep_sum else None
+        total = common.empty_bct(batch, channels, length, like=raw) if keep_sum else None
         written = out if total is None else total  # unused pointers: any tensor
         read = raw if residual is None else residual
         grid = (batch, triton.cdiv(length, BLOCK_T), triton.cdiv(channels, BLOCK_C))

@@ -68,11 +68,7 @@ class SlotHistory:
     def room(self, batch: int, steps: int) -> torch.Tensor:
         """An uninitialised [B, C, size + steps] for `complete`, in the buffer's layout (channels contiguous where
         its are): the caller writes a chunk into its last steps."""
-        channels = self.buffer.shape[1]
-        if self.buffer.stride(1) == 1 and channels > 1:
-            steps_first = torch.empty(batch, self.size + steps, channels, device=self.buffer.device, dtype=self.buffer.dtype)
-            return steps_first.transpose(1, 2)
-        return torch.empty(batch, channels, self.size + steps, device=self.buffer.device, dtype=self.buffer.dtype)
+        return kernel_common.empty_bct(batch, self.buffer.shape[1], self.size + steps, like=self.buffer)
 
     def complete(self, slots: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """`extend` for a chunk already written into the last steps of `full` (from `room`): the history kernel
