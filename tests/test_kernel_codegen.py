@@ -118,3 +118,14 @@ def test_the_conv_epilogue_loads_and_stores_16_bytes_at_a_time(residual: bool) -
     wide_loads = [line for line in lines if "ld.global" in line and ".v4" in line]
     wide_stores = [line for line in lines if "st.global.v4" in line]
     assert len(wide_loads) >= (2 if residual else 1) and len(wide_stores) >= 2, "a bf16 row read or written a value at a time"
+
+
+def test_the_output_conv_loads_its_input_16_bytes_at_a_time() -> None:
+    """The decoder's last convolution reads its channels-contiguous input (channel stride 1, widths a multiple of 16)
+    eight bf16 values at a time: the kernel is memory-bound, and the audio's widest tensor is its input."""
+    signature = {**dict.fromkeys(("x_ptr", "weight_ptr", "bias_ptr", "out_ptr"), "*bf16"), "channels": "i32",
+                 "length": "i32", "stride_xb": "i32", "stride_xc": "constexpr", "stride_xt": "i32"}
+    constants = dict(stride_xc=1, TAPS=7, DILATION=1, BLOCK_T=conv_epilogue.OUTPUT_BLOCK_T,
+                     BLOCK_C=conv_epilogue.OUTPUT_BLOCK_C, BIAS=True)
+    lines = _ptx(conv_epilogue._output_conv_kernel, signature, constants, False, divisible=("channels",))
+    assert [line for line in lines if "ld.global" in line and ".v4" in line], "the input read a value at a time"

@@ -15,6 +15,12 @@ dtype where PyTorch's kernels store it (the conv's output, output + bias, + resi
 sin, its square and the bump scaled by 1/β, five kernels in the module), sinf is libdevice's as in PyTorch's
 kernel, and fp32 products are not contracted into FMAs, so the result equals the PyTorch ops on a GPU, where
 cuDNN's convolution leaves the bias out as here.
+
+The decoder's last convolution (its channels to one, then a clamp to [-1, 1]) is a kernel of its own here too
+(`OutputConv`): a convolution with one output channel has nothing for cuDNN's tensor cores to do, and on
+channels-contiguous input cuDNN ran it at some batch shapes on a direct kernel that took 70 ms of a 74 ms call on
+an H100 (docs/gpu.md, "Codec kernels"). It is a dot product per output sample, which a program sums over a tile of
+time steps by channels for every tap: memory-bound, each input read from DRAM once.
 """
 
 from __future__ import annotations
@@ -77,7 +83,11 @@ def supports_decoder(audio_decoder: OfficialModule) -> common.Support:
         stages = decoder_stages(audio_decoder)
     except (AttributeError, TypeError, ValueError) as error:
         return common.unsupported(f"an audio decoder of another structure ({error})")
-    return next((s for s in (supports(stage.conv.conv, stage.activation) for stage in stages) if not s), common.SUPPORTED)
+    last = audio_decoder[-1].conv
+    return next(
+        (s for s in (*(supports(stage.conv.conv, stage.activation) for stage in stages), supports_output(last)) if not s),
+        common.SUPPORTED,
+    )
 
 
 @jit
@@ -163,3 +173,78 @@ class ConvEpilogue:
             LIBDEVICE=not common.interpreting(), enable_fp_fusion=False,
         )
         return total
+
+
+OUTPUT_BLOCK_T, OUTPUT_BLOCK_C = 128, 32  # `OutputConv`'s tile: output samples x channels
+
+
+@jit
+def _output_conv_kernel(
+    x_ptr, weight_ptr, bias_ptr, out_ptr, channels, length, stride_xb, stride_xc, stride_xt,
+    TAPS: tl.constexpr, DILATION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BIAS: tl.constexpr,
+):
+    """out[b, t] = clamp(sum over taps k and channels c of x[b, c, t + k·DILATION]·w[k, c] (+ bias), -1, 1), the
+    conv's output rounded to the model dtype before the bias as PyTorch's ops store it. One program per (row, block of
+    output samples); x [B, C, T + (TAPS - 1)·DILATION] with any strides, w [TAPS, C] dense, out [B, T] dense."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok_t = t < length
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    first = 0
+    while first < channels:  # not `for ... in range(runtime bound)`: the interpreter cannot index with a runtime scalar
+        c = first + tl.arange(0, BLOCK_C)
+        ok_c = c < channels
+        for k in tl.static_range(TAPS):
+            x = tl.load(
+                x_ptr + b * stride_xb + c[None, :] * stride_xc + (t[:, None] + k * DILATION) * stride_xt,
+                mask=ok_t[:, None] & ok_c[None, :], other=0.0,
+            )
+            w = tl.load(weight_ptr + k * channels + c, mask=ok_c, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+        first += BLOCK_C
+    dt = out_ptr.dtype.element_ty
+    y = round_to(tl.sum(acc, axis=1), dt)
+    if BIAS:
+        y = round_to(y + tl.load(bias_ptr).to(tl.float32), dt)
+    tl.store(out_ptr + b * length + t, tl.minimum(tl.maximum(y, -1.0), 1.0).to(dt), mask=ok_t)
+
+
+def supports_output(conv: nn.Module) -> common.Support:
+    """Whether `OutputConv` takes the decoder's last convolution: an ungrouped, unstrided `nn.Conv1d` to one
+    channel, in a tested dtype."""
+    if not isinstance(conv, nn.Conv1d):
+        return common.unsupported(f"a last convolution of type {type(conv).__name__}")
+    if conv.out_channels != 1 or conv.groups != 1 or conv.stride[0] != 1:
+        return common.unsupported(f"a last convolution to {conv.out_channels} channels, stride {conv.stride[0]}")
+    return common.dtype_support(conv.weight.dtype)
+
+
+class OutputConv:
+    """The decoder's last convolution (padding 0) with its bias, clamped to [-1, 1] as the official decoder
+    clamps its audio, in one kernel (the weights read once, at construction; `supports_output` must hold)."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        if not (support := supports_output(conv)):
+            raise ValueError(f"the output conv kernel does not take this: {support.reason}")
+        self.taps, self.dilation = conv.kernel_size[0], conv.dilation[0]
+        with torch.no_grad():
+            self.weight = conv.weight.detach()[0].t().contiguous()  # [taps, channels]
+            self.bias = None if conv.bias is None else conv.bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Audio [B, 1, T - (taps - 1)·dilation] from the last convolution's input `x` [B, C, T] (any strides:
+        channels or time steps contiguous)."""
+        batch, channels, steps = x.shape
+        if channels != self.weight.shape[1]:
+            raise ValueError(f"the convolution takes {self.weight.shape[1]} channels, got {channels}")
+        length = steps - (self.taps - 1) * self.dilation
+        if length < 1:
+            raise ValueError(f"{steps} steps are fewer than the convolution's span")
+        out = torch.empty(batch, 1, length, device=x.device, dtype=x.dtype)
+        grid = (batch, triton.cdiv(length, OUTPUT_BLOCK_T))
+        _output_conv_kernel[grid](
+            x, self.weight, self.weight if self.bias is None else self.bias, out, channels, length, *x.stride(),
+            TAPS=self.taps, DILATION=self.dilation, BLOCK_T=OUTPUT_BLOCK_T, BLOCK_C=OUTPUT_BLOCK_C,
+            BIAS=self.bias is not None,
+        )
+        return out

@@ -128,6 +128,50 @@ def test_rejects_mismatched_shapes() -> None:
         epilogue(raw, torch.zeros(2, 4, 10), residual=torch.zeros(2, 4, 9))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("channels", "taps", "dilation", "bias"), [(96, 7, 1, True), (5, 3, 2, False), (40, 1, 1, True)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["time-contiguous", "channels-contiguous"])
+def test_the_output_conv_equals_the_module_and_clamp(
+    device: str, dtype: torch.dtype, channels: int, taps: int, dilation: int, bias: bool, channels_last: bool,
+) -> None:
+    """The decoder's last convolution (to one channel) and its clamp on the input as the codec holds it: a history
+    and a chunk, channels or time steps contiguous, time not a whole number of blocks. The kernel sums the taps and
+    channels in another order than the convolution, so the two agree to a rounding of the sum: in bf16 one unit in
+    the last place of the conv's output (rounded there before the bias, as PyTorch stores it) and one of the sum
+    with the bias (two under the interpreter, which truncates)."""
+    generator = torch.Generator().manual_seed(channels)
+    torch.manual_seed(channels)
+    conv = nn.Conv1d(channels, 1, taps, dilation=dilation, bias=bias).to(device, dtype)
+    output = conv_epilogue.OutputConv(conv)
+    steps = 300 + (taps - 1) * dilation
+    x = (torch.randn(2, channels, steps, generator=generator) * 2).to(device, dtype)
+    if channels_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    got = output(x)
+    reference = conv.float()(x.float()) if device == "cpu" else conv(x).float()
+    unbiased = reference if conv.bias is None else reference - conv.bias.float()
+    expected = reference.clamp(-1, 1)
+    assert got.shape == expected.shape == (2, 1, 300) and got.dtype == dtype
+    assert 0.05 < float((expected.abs() < 1).float().mean()) < 0.95, "all or nothing clamped: a vacuous comparison"
+    scale = float(reference.abs().max())
+    eps = torch.finfo(dtype).eps
+    tolerance = 1e-5 * scale if dtype == torch.float32 else 2 * eps * (unbiased.abs() + expected.abs()) + 1e-6 * scale
+    assert bool(((got.float() - expected).abs() <= tolerance).all())
+
+
+def test_the_output_conv_refuses_what_it_does_not_compute() -> None:
+    assert conv_epilogue.supports_output(nn.Conv1d(8, 1, 7))
+    assert "2 channels" in conv_epilogue.supports_output(nn.Conv1d(8, 2, 7)).reason
+    assert "ConvTranspose1d" in conv_epilogue.supports_output(nn.ConvTranspose1d(8, 1, 4, stride=2)).reason
+    assert "float16" in conv_epilogue.supports_output(nn.Conv1d(8, 1, 7).half()).reason
+    output = conv_epilogue.OutputConv(nn.Conv1d(8, 1, 7))
+    with pytest.raises(ValueError, match="8 channels"):
+        output(torch.zeros(1, 4, 20))
+    with pytest.raises(ValueError, match="span"):
+        output(torch.zeros(1, 8, 6))
+
+
 def test_streaming_codec_on_its_kernels() -> None:
     """A primed slot and two fresh ones through the streaming decoder on every kernel it takes where Triton runs
     (the epilogues, the codebook sums, the convolutions' histories), in chunks of 1 and 2 frames, against the

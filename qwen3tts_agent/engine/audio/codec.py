@@ -114,19 +114,17 @@ def channels_last_weight(conv: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
     return conv.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
 
-def channels_last_conv(
-    conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """conv(x) (padding 0, with `bias` if given) on operands whose channels are contiguous: `x` [B, C, T] stored
+def channels_last_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """conv(x) (padding 0, without the bias) on operands whose channels are contiguous: `x` [B, C, T] stored
     as [B, T, C], `weight` from `channels_last_weight`; the output likewise. cuDNN's tensor-core convolutions read
     and write this layout: handed time-contiguous tensors it transposes the input and the weights before every
     call and the output after it (docs/gpu.md, "Codec convolutions"). A 1-D convolution here is a 2-D one over a
     height of one, as PyTorch runs it, but given as such: `conv1d` makes its input time-contiguous first."""
     x4 = x.unsqueeze(2)
     if isinstance(conv, nn.ConvTranspose1d):
-        y = F.conv_transpose2d(x4, weight, bias, (1, conv.stride[0]), 0, 0, conv.groups, (1, conv.dilation[0]))
+        y = F.conv_transpose2d(x4, weight, None, (1, conv.stride[0]), 0, 0, conv.groups, (1, conv.dilation[0]))
     else:
-        y = F.conv2d(x4, weight, bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups)
+        y = F.conv2d(x4, weight, None, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups)
     return y.squeeze(2)
 
 
@@ -225,13 +223,16 @@ class StreamingCodecDecoder:
         # on the epilogues' path the audio-rate convolutions run channels-last: their weights so, and their inputs,
         # which the epilogues write into the histories' rooms
         self._channels_last: dict[nn.Module, torch.Tensor] = {}
+        self._output: conv_epilogue.OutputConv | None = None
         if audio_support and (fused_audio or (fused_audio is None and self.device.type == "cuda")):
             self._epilogues = [conv_epilogue.ConvEpilogue(stage.conv.conv, stage.activation) for stage in self._stages]
-            audio_convs = [stage.conv for stage in self._stages] + [self._last_conv]
-            self._channels_last = {module: channels_last_weight(module.conv) for module in audio_convs}
-            for module in audio_convs[1:]:  # the first one's input comes from the upsampler, time contiguous
-                history = self._convs[module].buffer
-                self._convs[module] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
+            self._output = conv_epilogue.OutputConv(self._last_conv.conv)
+            self._channels_last = {stage.conv: channels_last_weight(stage.conv.conv) for stage in self._stages}
+            for stage in self._stages[1:]:  # the first one's input comes from the upsampler, time contiguous
+                history = self._convs[stage.conv].buffer
+                self._convs[stage.conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
+            history = self._convs[self._last_conv].buffer
+            self._convs[self._last_conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
         self.audio_path = "triton" if self._epilogues else f"pytorch ({audio_support.reason or 'fused audio off'})"
 
     def _audio_support(self) -> kernel_common.Support:
@@ -394,8 +395,8 @@ class StreamingCodecDecoder:
             if total is not None:
                 residual = total
             history.complete(slots, full)
-        last = self._last_conv.conv
-        return channels_last_conv(last, full, self._channels_last[self._last_conv], last.bias).clamp(min=-1, max=1)
+        assert self._output is not None  # built with the epilogues
+        return self._output(full)
 
     def _conv(self, module: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""
