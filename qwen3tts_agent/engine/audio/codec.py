@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
 import torch
@@ -88,6 +88,9 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 # Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
 # (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/kernels/bench_codec_convs.py).
 PHASE_SPLIT_MIN_DILATION = 9
+# The same from this dilation on the channels-last path, where cuDNN ran the dilation-3 convolutions of some batch
+# shapes on a direct kernel some fifty times slower than the time-contiguous form (docs/gpu.md, "Codec convolutions").
+CHANNELS_LAST_PHASE_SPLIT_MIN_DILATION = 3
 
 
 def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
@@ -208,11 +211,7 @@ class StreamingCodecDecoder:
         off = support.reason or "fused transformer off"
         self.transformer_path = "triton" if self._fused is not None else f"pytorch ({off})"
         self.prime_frames = self._audio_lookback()
-        self._phase_split = {
-            module for module in self._convs
-            if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
-            and module.conv.stride[0] == 1 and module.conv.groups == 1
-        }
+        self._phase_split = self._splittable(self._convs, PHASE_SPLIT_MIN_DILATION)
         # the audio half: its convolutions, each with the bias, residual and activation after it
         self._stages = conv_epilogue.decoder_stages(decoder.decoder)
         self._last_conv = decoder.decoder[-1]
@@ -228,12 +227,22 @@ class StreamingCodecDecoder:
             self._epilogues = [conv_epilogue.ConvEpilogue(stage.conv.conv, stage.activation) for stage in self._stages]
             self._output = conv_epilogue.OutputConv(self._last_conv.conv)
             self._channels_last = {stage.conv: channels_last_weight(stage.conv.conv) for stage in self._stages}
+            self._phase_split |= self._splittable(self._channels_last, CHANNELS_LAST_PHASE_SPLIT_MIN_DILATION)
             for stage in self._stages[1:]:  # the first one's input comes from the upsampler, time contiguous
                 history = self._convs[stage.conv].buffer
                 self._convs[stage.conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
             history = self._convs[self._last_conv].buffer
             self._convs[self._last_conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
         self.audio_path = "triton" if self._epilogues else f"pytorch ({audio_support.reason or 'fused audio off'})"
+
+    @staticmethod
+    def _splittable(modules: Iterable[nn.Module], min_dilation: int) -> set[nn.Module]:
+        """The conv wrappers among `modules` whose convolution `phase_split_conv` takes, dilated at least this much."""
+        return {
+            module for module in modules
+            if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= min_dilation
+            and module.conv.stride[0] == 1 and module.conv.groups == 1
+        }
 
     def _audio_support(self) -> kernel_common.Support:
         """Whether the epilogue kernels take the audio half here: Triton runs, every stage is one the kernel takes,
