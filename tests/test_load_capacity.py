@@ -107,6 +107,7 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         # a CPU engine refuses nothing for lateness: its stream limit stays off (at every slot) and is never cut
         gauges = run["server_gauges_after"]
         assert run["engine"]["stream_limit_cuts"] == 0
+        assert run["server_metrics"]["qwen3tts_engine_stream_limit_seconds"] == 0.0  # exported, counted per window
         assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"] > 0
     passing = [p for p in probes if p["passed"]]
     if passing:

@@ -439,7 +439,7 @@ def _cumulative(name: str) -> bool:
     return any(mark in name for mark in ("_total", "_sum", "_count", "loop_seconds", "frames_generated", "steps",
                                          "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors",
                                          "codec_decodes", "codec_chunks", "clock_releases", "first_audio_holds",
-                                         "stream_limit_cuts"))
+                                         "stream_limit_cuts", "stream_limit_seconds"))
 
 
 def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, object]:
@@ -448,7 +448,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
     late, by their place in their stream (the second chunk, the third, the fourth, later ones); the times late
-    chunks cut the streams the engine takes on; and the `busy` refusals by what refused them (the server's
+    chunks cut the streams the engine takes on, and the seconds that limit stayed below the slots; and the `busy` refusals by what refused them (the server's
     limits, the engine's rules: `protocol.BUSY_REASONS`)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
@@ -465,6 +465,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         "late_chunks_by_index": {name.split('index="')[1].rstrip('"}'): value for name, value in metrics.items()
                                  if name.startswith("qwen3tts_engine_late_chunks_by_index{")},
         "stream_limit_cuts": metrics.get("qwen3tts_engine_stream_limit_cuts", 0.0),
+        "stream_limit_seconds": metrics.get("qwen3tts_engine_stream_limit_seconds", 0.0),
         "busy_by_reason": {name.split('reason="')[1].rstrip('"}'): value for name, value in metrics.items()
                            if name.startswith("qwen3tts_busy_total{") and value},
     }

@@ -437,6 +437,7 @@ class Engine(EngineFrontend):
         # the limit admission applies: an engine that does not shed (the CPU's default) takes on every slot,
         # whatever its late chunks would have cut
         limit = scheduler.stream_limit if self.shed_when_behind else None
+        now_s = time.perf_counter()
         return EngineStats(
             active_streams=running,
             queued_streams=max(0, self.open_stream_count() - running),
@@ -447,8 +448,9 @@ class Engine(EngineFrontend):
             late_by_index=dict(scheduler.load.stats.late_by_index),
             overloaded=refusal is not None,
             refusal_reason=refusal,
-            stream_limit=int(limit.limit(time.perf_counter())) if limit is not None else self.max_streams,
+            stream_limit=int(limit.limit(now_s)) if limit is not None else self.max_streams,
             stream_limit_cuts=limit.cuts if limit is not None else 0,
+            stream_limit_seconds=limit.limited_seconds(now_s) if limit is not None else 0.0,
             healthy=self.healthy,
             restarts=self._restarts,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,

@@ -122,6 +122,7 @@ class EngineStats:
     # 0: no core to ask)
     stream_limit: int = 0
     stream_limit_cuts: int = 0  # times late chunks lowered it (0 without `shed_when_behind`)
+    stream_limit_seconds: float = 0.0  # ... and how long, all cuts together, it stayed below `max_streams`
     healthy: bool = True  # the core is running (False while it restarts or after it died)
     restarts: int = 0  # cores started again after one died: in this process, and (`serve`) core processes before it
     device_memory_bytes: int = 0  # allocated on the core's GPU (0 on the CPU): flat over a long run

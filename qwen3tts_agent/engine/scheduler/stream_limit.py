@@ -37,11 +37,24 @@ class StreamLimit:
         self._cut_to = float(max_slots)  # the limit's value at its last cut
         self._cut_at = float("-inf")  # when that was (never: no limit below the slots)
         self.cuts = 0  # how many times late chunks lowered it (stats)
+        self._limited_before = 0.0  # seconds the limit was below the slots before its last cut (stats)
 
     def limit(self, now: float) -> float:
         """The streams that may hold or wait for a slot at `now` (the slots, unless a recent cut says fewer)."""
         grown = max(0.0, now - self._cut_at - HOLD_S) * GROWTH_PER_S * self.max_slots
         return min(float(self.max_slots), self._cut_to + grown)
+
+    def limited_seconds(self, now: float) -> float:
+        """Seconds the limit has spent below the slots up to `now`, all cuts together (stats): with `cuts`, how
+        much admission one cut cost. A cut when few streams were there (a burst's first chunks late, say) leaves a
+        low limit that takes many seconds to climb back; one near the device's capacity, a second or two."""
+        return self._limited_before + self._limited_since_cut(now)
+
+    def _limited_since_cut(self, now: float) -> float:
+        if self.cuts == 0 or self._cut_to >= self.max_slots:  # never cut, or one slot "cut" to one
+            return 0.0
+        regrown_at = self._cut_at + HOLD_S + (self.max_slots - self._cut_to) / (GROWTH_PER_S * self.max_slots)
+        return max(0.0, min(now, regrown_at) - self._cut_at)
 
     def on_late(self, streams: int, now: float) -> bool:
         """Chunks left late with `streams` holding or waiting for a slot: cut the limit to `BACKOFF` of those
@@ -49,6 +62,7 @@ class StreamLimit:
         It never goes below one stream."""
         if now - self._cut_at < CUT_INTERVAL_S:
             return False
+        self._limited_before += self._limited_since_cut(now)  # the last cut's time below the slots, up to this one
         self._cut_to = max(1.0, BACKOFF * min(float(streams), self.limit(now)))
         self._cut_at = now
         self.cuts += 1

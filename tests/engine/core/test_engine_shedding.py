@@ -139,11 +139,14 @@ def test_the_stream_limit_in_the_stats_is_the_one_admission_applies(shed: bool) 
     engine = engine_for("synthetic:tiny", max_streams=4, shed_when_behind=shed)
     try:
         limit = engine.core.scheduler.stream_limit
-        assert limit.on_late(streams=4, now=time.perf_counter())  # the evidence of three late chunks, as the core books it
+        cut_at = time.perf_counter()
+        assert limit.on_late(streams=4, now=cut_at)  # the evidence of three late chunks, as the core books it
         stats = engine.stats()
         if shed:
             assert (stats.stream_limit, stats.stream_limit_cuts) == (3, 1)  # 90 % of the 4 streams there
+            assert 0.0 < stats.stream_limit_seconds <= time.perf_counter() - cut_at  # below the slots since the cut
         else:
             assert (stats.stream_limit, stats.stream_limit_cuts) == (stats.max_streams, 0) == (4, 0)
+            assert stats.stream_limit_seconds == 0.0
     finally:
         engine.close()

@@ -314,6 +314,36 @@ def test_late_chunks_cut_the_limit_to_a_fraction_of_the_streams_there_then_it_gr
         StreamLimit(0)
 
 
+def test_the_seconds_the_limit_spends_below_the_slots_add_up_over_its_cuts() -> None:
+    """`limited_seconds` is what a cut cost admission: from the cut until the limit is back at every slot, a cut
+    that comes before the last one's regrowth ends that stretch where it begins its own, and a cut with few streams
+    there (its limit low) costs many more seconds than one near the slots."""
+    slots = 200
+    limit = StreamLimit(max_slots=slots)
+    assert limit.limited_seconds(50.0) == 0.0  # never cut
+    assert limit.on_late(streams=180, now=10.0)
+    regrowth = HOLD_S + (slots - BACKOFF * 180) / (GROWTH_PER_S * slots)
+    assert limit.limited_seconds(10.0 + regrowth / 2) == pytest.approx(regrowth / 2)
+    assert limit.limited_seconds(100.0) == pytest.approx(regrowth)  # back at every slot: the count stops
+    assert limit.limit(10.0 + regrowth) == slots and limit.limit(10.0 + regrowth - 0.01) < slots
+    # a second cut inside the first one's regrowth: the first stretch ends there
+    second = 10.0 + regrowth / 2
+    limit = StreamLimit(max_slots=slots)
+    limit.on_late(streams=180, now=10.0)
+    before = limit.limit(second)  # regrowing, below the 190 streams there: the second cut starts from it
+    assert before < 190 and limit.on_late(streams=190, now=second)
+    assert limit.limit(second) == pytest.approx(BACKOFF * before)
+    second_regrowth = HOLD_S + (slots - BACKOFF * before) / (GROWTH_PER_S * slots)
+    assert limit.limited_seconds(1000.0) == pytest.approx(regrowth / 2 + second_regrowth)
+    # a cut with 20 streams there: a low limit, over four times as long below the slots as the cut at 180 (18.7 s)
+    few = StreamLimit(max_slots=slots)
+    few.on_late(streams=20, now=0.0)
+    assert few.limited_seconds(1000.0) == pytest.approx(HOLD_S + (slots - BACKOFF * 20) / (GROWTH_PER_S * slots))
+    assert few.limited_seconds(1000.0) > 4 * regrowth
+    one = StreamLimit(max_slots=1)
+    assert one.on_late(streams=1, now=0.0) and one.limited_seconds(10.0) == 0.0  # one slot: never below it
+
+
 def test_late_chunks_make_the_scheduler_refuse_past_fewer_streams_not_every_new_stream() -> None:
     """Ten streams live, their chunks late: the scheduler takes on fewer streams (a new one comes in as others
     leave) instead of refusing every new stream while the lateness lasts, and later takes on every slot again."""
