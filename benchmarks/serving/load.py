@@ -32,7 +32,9 @@ windows are in `runs`).
     python -m benchmarks.serving.load --model synthetic:0.6b --rates --held 256 --warmup 10 --duration 60
     python -m benchmarks.serving.load --model synthetic:1.7b-customvoice --capacity --duration 30 --out capacity.json
 
-The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window. With
+The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window, and its stream
+limit with the engine's streams every half second through it (`stream_limit_samples`: when late chunks cut it, how
+low, from how many streams). With
 `--profile SECONDS` (a server started here, py-spy installed), the engine core and every API worker are
 sampled from the window's start (`benchmarks/serving/profiling.py`): where each thread's time went goes into the
 report, the raw stacks into `--profile-dir`.
@@ -518,6 +520,39 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
+class StreamLimitSampler(threading.Thread):
+    """The engine's stream limit and its streams (active, queued), scraped every `period_s` from `start_at` until
+    `stop`: when late chunks cut the limit and how low (the window's `stream_limit_seconds` says how long in all,
+    not when or from how many streams). Rows [seconds from `start_at`, limit, active, queued]; a failed scrape
+    is skipped."""
+
+    def __init__(self, url: str, api_key: str | None, start_at: float, period_s: float = 0.5) -> None:
+        super().__init__(name="stream-limit-sampler", daemon=True)
+        self.url, self.api_key, self.start_at, self.period_s = url, api_key, start_at, period_s
+        self.rows: list[list[float]] = []
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        if self._stopped.wait(max(0.0, self.start_at - time.monotonic())):
+            return
+        while True:
+            try:
+                gauges = scrape(self.url, self.api_key)
+            except OSError:  # a scrape that timed out or was refused: the next one may not be
+                gauges = {}
+            if "qwen3tts_engine_stream_limit" in gauges:
+                self.rows.append([round(time.monotonic() - self.start_at, 2), gauges["qwen3tts_engine_stream_limit"],
+                                  gauges.get("qwen3tts_engine_active_streams", 0.0),
+                                  gauges.get("qwen3tts_engine_queued_streams", 0.0)])
+            if self._stopped.wait(self.period_s):
+                return
+
+    def stop(self) -> dict[str, object]:
+        self._stopped.set()
+        self.join(timeout=15)
+        return {"period_s": self.period_s, "columns": ["s", "limit", "active", "queued"], "rows": self.rows}
+
+
 def run_rate(
     args: argparse.Namespace, url: str, rate: float, transport: str, held: int = 0, server_pid: int | None = None
 ) -> dict[str, object]:
@@ -539,9 +574,14 @@ def run_rate(
         c.start()
     profile = _ProfileWindow(args, server_pid, f"{transport}-{held}-held" if held else f"{transport}-{rate:g}")
     profile.start_at(start_at + args.warmup)
+    sampler = StreamLimitSampler(url, args.api_key, start_at)  # from the warm-up's start: a cut there counts too
+    sampler.start()
     records: list[Record] = []
-    for _ in clients:
-        records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
+    try:
+        for _ in clients:
+            records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
+    finally:
+        samples = sampler.stop()
     for c in clients:
         c.join()
     after, elapsed = scrape(url, args.api_key), time.monotonic() - scraped
@@ -557,7 +597,8 @@ def run_rate(
     metrics = {k: after[k] - before.get(k, 0.0) for k in after if _cumulative(k)}
     summary.update(rate_per_s=rate, transport=transport, clients=args.clients, window_s=args.duration,
                    engine=engine_figures(metrics, elapsed), server_metrics=metrics, drained_s=drained_s,
-                   server_gauges_after={k: v for k, v in gauges.items() if not _cumulative(k)})
+                   server_gauges_after={k: v for k, v in gauges.items() if not _cumulative(k)},
+                   stream_limit_samples=samples)
     if profile.enabled:
         summary["profile"] = profile.result()
     return summary
@@ -655,6 +696,10 @@ def print_summary(summary: dict[str, object]) -> None:
     print(f"  first chunk stages (ms): {json.dumps(summary['first_chunk_stages_ms'])}", flush=True)
     engine = {k: round(v, 1) if isinstance(v, float) else v for k, v in summary["engine"].items()}  # type: ignore[attr-defined]
     print(f"  engine: {json.dumps(engine)}", flush=True)
+    rows = summary.get("stream_limit_samples", {}).get("rows", [])  # type: ignore[attr-defined]
+    if rows and (lowest := min(rows, key=lambda row: row[1]))[1] < max(row[1] for row in rows):
+        print(f"  stream limit lowest {lowest[1]:.0f} at {lowest[0]:.1f} s from the warm-up's start "
+              f"({lowest[2]:.0f} streams active, {lowest[3]:.0f} queued)", flush=True)
 
 
 def print_capacity(capacity: dict[str, Any]) -> None:
