@@ -34,10 +34,9 @@ windows are in `runs`).
 
 The server's own metrics (late chunks, underrun seconds, errors) are scraped after each window, and its stream
 limit with the engine's streams every half second through it (`stream_limit_samples`: when late chunks cut it, how
-low, from how many streams). With
-`--profile SECONDS` (a server started here, py-spy installed), the engine core and every API worker are
-sampled from the window's start (`benchmarks/serving/profiling.py`): where each thread's time went goes into the
-report, the raw stacks into `--profile-dir`.
+low, from how many streams). With `--profile SECONDS` (a server started here, py-spy installed), the engine core
+and every API worker are sampled from the window's start (`benchmarks/serving/profiling.py`): where each thread's
+time went goes into the report, the raw stacks into `--profile-dir`.
 """
 
 from __future__ import annotations
@@ -450,8 +449,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
     late, by their place in their stream (the second chunk, the third, the fourth, later ones); the times late
-    chunks cut the streams the engine takes on, and the seconds that limit stayed below the slots; and the `busy` refusals by what refused them (the server's
-    limits, the engine's rules: `protocol.BUSY_REASONS`)."""
+    chunks cut the streams the engine takes on, and the seconds that limit stayed below the slots; and the `busy`
+    refusals by what refused them (the server's limits, the engine's rules: `protocol.BUSY_REASONS`)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
