@@ -51,10 +51,11 @@ class StreamLimit:
         return self._limited_before + self._limited_since_cut(now)
 
     def _limited_since_cut(self, now: float) -> float:
+        """The last cut's seconds below the slots, up to `now` (`limit`'s growth, solved for every slot)."""
         if self.cuts == 0 or self._cut_to >= self.max_slots:  # never cut, or one slot "cut" to one
             return 0.0
         regrown_at = self._cut_at + HOLD_S + (self.max_slots - self._cut_to) / (GROWTH_PER_S * self.max_slots)
-        return max(0.0, min(now, regrown_at) - self._cut_at)
+        return max(0.0, min(now, regrown_at) - self._cut_at)  # 0 for a `now` read before the cut (another thread)
 
     def on_late(self, streams: int, now: float) -> bool:
         """Chunks left late with `streams` holding or waiting for a slot: cut the limit to `BACKOFF` of those
