@@ -31,7 +31,7 @@ from ...models.compat import transformers_without_scikit_learn
 from ..frontend import Engine
 from ..messages import AbortRequest, AddRequest, ChunkOutput, FinishOutput
 from . import ipc
-from .launch import GIL_SWITCH_INTERVAL_S, STOP_SIGNAL, CoreLaunch
+from .launch import GIL_SWITCH_INTERVAL_S, STOP_SIGNAL, CoreLaunch, remove_socket_file
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ class CoreServer:
                 self._publish_stats(router, now)
         router.close()
         pull.close()
+        remove_socket_file(self.address)  # also when no supervisor stops this core (its parent died)
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         identity, kind, *rest = frames

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # The step loop and the I/O thread share the core process's interpreter lock: a short switch interval lets
@@ -16,6 +17,15 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # What the supervisor sends the core to stop it (`EngineProcess.stop`): neither a terminal's Ctrl-C nor systemd's
 # stop sends it, so the core can tell its supervisor's stop from theirs (`core_server._stop_on_signals`)
 STOP_SIGNAL = signal.SIGUSR1
+
+
+def remove_socket_file(address: str) -> None:
+    """Remove the socket file of an `ipc://` address once the core bound to it is gone (other addresses have none).
+    ZeroMQ leaves the file of an explicit `ipc://` bind behind when the socket closes (it removes only the files of
+    wildcard binds), and a killed core closes nothing: without this, every run leaves a file in the temporary
+    folder. A core bound to the address later replaces a file left there, so the files are litter, not a fault."""
+    if address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

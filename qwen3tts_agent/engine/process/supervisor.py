@@ -22,7 +22,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .launch import STOP_SIGNAL, CoreLaunch
+from .launch import STOP_SIGNAL, CoreLaunch, remove_socket_file
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class EngineProcess:
         self._context = multiprocessing.get_context("spawn")
         self._process: Any = None
         self._stopping = threading.Event()
+        # `stop` and a spawn take it in turn: a core spawned as `stop` runs would be left serving with no supervisor
+        self._spawning = threading.Lock()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -76,9 +78,12 @@ class EngineProcess:
         receiver, sender = self._context.Pipe(duplex=False)
         launch = replace(self.launch, process_restarts=self.restarts + restarting)
         process = self._context.Process(target=run_core, args=(launch, sender), name="qwen3tts-core", daemon=False)
-        process.start()
+        with self._spawning:
+            if self._stopping.is_set():
+                raise RuntimeError("the engine core was stopped")
+            process.start()
+            self._process = process
         sender.close()
-        self._process = process
         self._spawned_at = time.monotonic()
         if not receiver.poll(timeout):
             raise RuntimeError(f"the engine core did not start within {timeout} s")
@@ -114,7 +119,8 @@ class EngineProcess:
                 self._spawn(timeout=None, restarting=True)
                 self.restarts += 1
             except RuntimeError:
-                logger.exception("restarting the engine core failed")
+                if not self._stopping.is_set():  # a core stopped while it started fails to start: as asked
+                    logger.exception("restarting the engine core failed")
 
     def kill(self) -> None:
         """Kill the process at once (fault injection: the supervisor restarts it)."""
@@ -124,9 +130,13 @@ class EngineProcess:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the core: asked first with `STOP_SIGNAL` (it ends its streams and closes; the signals a terminal
         or systemd send the whole process group wait for this, `core_server._stop_on_signals`), SIGKILLed if it
-        is still there after `timeout` seconds."""
-        self._stopping.set()
-        process = self._process
+        is still there after `timeout` seconds. Its socket file (`remove_socket_file`) goes first, so that a stop cut
+        short leaves none (a Ray replica's graceful-shutdown timeout kills the core with its worker), and again at
+        the end, in case a core still starting bound it meanwhile; clients connected already are not cut off."""
+        with self._spawning:
+            self._stopping.set()
+            process = self._process
+        remove_socket_file(self.address)
         if process is not None and process.is_alive():
             with contextlib.suppress(ProcessLookupError):  # it died meanwhile
                 os.kill(process.pid, STOP_SIGNAL)
@@ -134,3 +144,4 @@ class EngineProcess:
             if process.is_alive():
                 process.kill()
                 process.join()
+        remove_socket_file(self.address)

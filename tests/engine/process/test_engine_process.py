@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -132,6 +134,61 @@ def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, 
     voice = Voice(prompt=client.create_voice(reference_audio(), None, x_vector_only=True))  # a fresh core's cache
     pcm, result = client.synthesize_blocking("Back again.", voice=voice, sampling=SamplingParams(max_frames=3))
     assert result.frames == 3 and len(pcm) == 3 * 1920
+
+
+def test_a_stopped_supervisor_leaves_no_core_and_no_socket_file(tmp_path) -> None:
+    """Over hours a server's supervisor restarts killed cores and is itself stopped and started again: each
+    stop, at any moment of a restart, ends the core it started and takes its `ipc://` socket file with it."""
+    socket_file = tmp_path / "core.sock"
+    launch = CoreLaunch("synthetic:tiny", f"ipc://{socket_file}", engine_kwargs={"backend": "torch"}, warmup=False)
+    for stop_after_kill_s in (0.0, 0.3, None):  # in the back-off, while the next core starts, once it serves
+        supervisor = EngineProcess(launch, backoff_s=(0.2, 0.2))
+        supervisor.start(timeout=180)
+        first = supervisor.pid
+        assert socket_file.exists()
+        supervisor.kill()
+        if stop_after_kill_s is None:
+            wait_for(lambda s=supervisor: s.restarts == 1, 120, "the next core")
+            assert supervisor.pid != first
+        else:
+            time.sleep(stop_after_kill_s)
+        supervisor.stop(timeout=30)
+        assert supervisor.pid is None or not _alive(supervisor.pid)
+        assert not socket_file.exists()
+
+
+def test_a_core_whose_supervisor_is_killed_stops_and_leaves_no_socket_file(tmp_path) -> None:
+    """A supervisor killed outright (an OOM kill, a Ray worker torn down) cannot stop its core: the core notices,
+    stops its streams and removes its own socket file."""
+    socket_file = tmp_path / "core.sock"
+    script = (
+        "import sys, time\n"
+        "from qwen3tts_agent.engine.process import CoreLaunch, EngineProcess\n"
+        "if __name__ == '__main__':\n"
+        f"    core = EngineProcess(CoreLaunch('synthetic:tiny', 'ipc://{socket_file}', warmup=False))\n"
+        "    core.start(timeout=180)\n"
+        "    print(core.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert supervisor.stdout is not None
+        core_pid = int(supervisor.stdout.readline())
+        assert socket_file.exists()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    wait_for(lambda: not _alive(core_pid), 30, "the orphaned core to exit")
+    assert not socket_file.exists()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a process that exited but is not yet reaped (a zombie, its parent gone) has not."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_connect_waits_for_a_core_until_told_to_give_up(tmp_path) -> None:
