@@ -46,7 +46,9 @@ than `--max-refusal-increase`; no hostile client got an answer the protocol does
 before the kill answered an utterance during the outage as an outage allows and spoke the next one after; the API processes' RSS grew less than
 `--max-rss-growth-mb` over the second half of the hostile phase (a leak grows with every unit; the allocator's
 arenas settle during the first half), and the engine's device memory at the end is within
-`--max-device-growth-mb` of its value at the start; the good clients' first audio p95 in the hostile phase is
+`--max-device-growth-mb` of its value at the start; serve's processes together hold at most
+`--max-open-files-growth` more open files and `--max-threads-growth` more threads at the end than at the start
+(a file or a thread left behind per connection would show hundreds); the good clients' first audio p95 in the hostile phase is
 at most `--max-p95-ratio` times the baseline's (0: reported, not judged) and their underrun share grew by at most
 `--max-underrun-increase`; every hostile kind ran. The report is JSON (`--out`) and a printed table.
 
@@ -136,6 +138,10 @@ class Options:
     restart_bound_s: float = 300.0
     max_rss_growth_mb: float = 100.0
     max_device_growth_mb: float = 256.0
+    # serve's processes' open files and threads at the end against the start, all summed: a few files open at the
+    # first requests (metrics files, say), where a leak of one a connection would show hundreds
+    max_open_files_growth: int = 16
+    max_threads_growth: int = 8
     max_p95_ratio: float = 2.0
     max_underrun_increase: float = 0.02
     max_refusal_increase: float = 0.01
@@ -692,11 +698,17 @@ class Server:
         return named
 
     def memory(self) -> dict[str, Any]:
-        """Resident memory of each of serve's processes (the API side's summed), and the engine's device memory."""
+        """Resident memory, open files and threads of each of serve's processes (the API side's summed), and the
+        engine's device memory."""
         rss: dict[str, float] = {}
+        files: dict[str, int] = {}
+        threads: dict[str, int] = {}
         for name, pid in self.processes().items():
             with contextlib.suppress(psutil.NoSuchProcess):
-                rss[name] = round(psutil.Process(pid).memory_info().rss / MB, 1)
+                process = psutil.Process(pid)
+                rss[name] = round(process.memory_info().rss / MB, 1)
+                files[name] = process.num_fds()
+                threads[name] = process.num_threads()
         try:
             device: float | None = round(metric_sum(scrape(self.port), "qwen3tts_engine_device_memory_bytes") / MB, 1)
         except Exception:  # noqa: BLE001 - /metrics failing is reported by the gauges' check
@@ -706,6 +718,10 @@ class Server:
             "api_rss_mb": round(sum(v for name, v in rss.items() if name != "core"), 1),
             "core_rss_mb": rss.get("core"),
             "device_memory_mb": device,
+            "open_files": files,
+            "api_open_files": sum(v for name, v in files.items() if name != "core"),
+            "threads": threads,
+            "api_threads": sum(v for name, v in threads.items() if name != "core"),
         }
 
     def ready_status(self) -> int:
@@ -1137,6 +1153,10 @@ def checks(report: dict[str, Any], options: Options) -> dict[str, dict[str, Any]
     device = None if start_mb is None or end_mb is None else round(end_mb - start_mb, 1)
     check("engine device memory, end - start (MB)", device is not None and device <= options.max_device_growth_mb,
           device, f"<= {options.max_device_growth_mb:g}")
+    for what, bound in (("open_files", options.max_open_files_growth), ("threads", options.max_threads_growth)):
+        grown = sum(memory["end"][what].values()) - sum(memory["start"][what].values())
+        check(f"serve's processes' {what.replace('_', ' ')}, end - start", grown <= bound,
+              {"grown": grown, "start": memory["start"][what], "end": memory["end"][what]}, f"<= {bound}")
     base, hostile = report["good"]["baseline"], report["good"]["hostile"]
     if options.max_p95_ratio > 0:
         b95, h95 = base["first_audio_ms"]["p95"], hostile["first_audio_ms"]["p95"]
@@ -1186,7 +1206,8 @@ def print_table(report: dict[str, Any], out: Any = sys.stdout) -> None:
     m = report["memory"]
     print(f"memory start -> end: API RSS {m['start']['api_rss_mb']} -> {m['end']['api_rss_mb']} MB, core RSS "
           f"{m['start']['core_rss_mb']} -> {m['end']['core_rss_mb']} MB, device {m['start']['device_memory_mb']} -> "
-          f"{m['end']['device_memory_mb']} MB", file=out)
+          f"{m['end']['device_memory_mb']} MB; open files {m['start']['open_files']} -> {m['end']['open_files']}, "
+          f"threads {m['start']['threads']} -> {m['end']['threads']}", file=out)
     print(f"gauges at 0 after {report['settle']['after_s']} s; {report['scrape_agreement']['scrapes']} scrapes, "
           f"{report['scrape_agreement']['differing']} of {report['scrape_agreement']['series']} series differing",
           file=out)
@@ -1224,6 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-bound", dest="restart_bound_s", type=float, default=d.restart_bound_s)
     parser.add_argument("--max-rss-growth-mb", type=float, default=d.max_rss_growth_mb)
     parser.add_argument("--max-device-growth-mb", type=float, default=d.max_device_growth_mb)
+    parser.add_argument("--max-open-files-growth", type=int, default=d.max_open_files_growth)
+    parser.add_argument("--max-threads-growth", type=int, default=d.max_threads_growth)
     parser.add_argument("--max-p95-ratio", type=float, default=d.max_p95_ratio, help="0: not judged")
     parser.add_argument("--max-underrun-increase", type=float, default=d.max_underrun_increase)
     parser.add_argument("--max-refusal-increase", type=float, default=d.max_refusal_increase)
