@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -124,9 +121,9 @@ class EngineReplica:
             from ..engine.frontend import Engine
 
             return Engine.load(s.model, device=s.device, dtype=s.dtype, progress=False, **engine_kwargs)
-        from ..engine.process import CoreLaunch, EngineClient, EngineProcess
+        from ..engine.process import CoreLaunch, EngineClient, EngineProcess, fresh_core_address
 
-        address = f"ipc://{tempfile.gettempdir()}/qwen3tts-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+        address = fresh_core_address("qwen3tts-ray")
         self._core = EngineProcess(CoreLaunch(
             s.model, address, device=s.device, dtype=s.dtype, engine_kwargs=engine_kwargs,
             warmup=s.server.warmup, log_level="WARNING",

@@ -22,7 +22,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from ..engine.process import GIL_SWITCH_INTERVAL_S, CoreLaunch, EngineProcess
+from ..engine.process import GIL_SWITCH_INTERVAL_S, CoreLaunch, EngineProcess, fresh_core_address
 from .config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ WORKER_READY_WAIT_S = 60.0
 
 
 def default_core_address() -> str:
-    return f"ipc://{tempfile.gettempdir()}/qwen3tts-core-{os.getpid()}.sock"
+    return fresh_core_address("qwen3tts-core")
 
 
 def _config_to_json(config: ServerConfig) -> dict[str, Any]:

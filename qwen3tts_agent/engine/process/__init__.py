@@ -9,7 +9,7 @@ which does, is imported only inside the core process).
 """
 
 from .client import EngineClient
-from .launch import GIL_SWITCH_INTERVAL_S, CoreLaunch
+from .launch import GIL_SWITCH_INTERVAL_S, CoreLaunch, fresh_core_address
 from .supervisor import EngineProcess
 
-__all__ = ["GIL_SWITCH_INTERVAL_S", "CoreLaunch", "EngineClient", "EngineProcess"]
+__all__ = ["GIL_SWITCH_INTERVAL_S", "CoreLaunch", "EngineClient", "EngineProcess", "fresh_core_address"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,11 @@ import zmq
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
 from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, core_server, ipc
 from qwen3tts_agent.engine.process.core_server import CoreServer, HostedEngine, cpu_pool_default
+from qwen3tts_agent.engine.process.launch import (
+    STALE_SOCKET_AGE_S,
+    fresh_core_address,
+    remove_stale_socket_files,
+)
 from qwen3tts_agent.errors import (
     EngineDeadError,
     EngineNotReadyError,
@@ -180,6 +188,40 @@ def test_a_core_whose_supervisor_is_killed_stops_and_leaves_no_socket_file(tmp_p
         supervisor.wait()
     wait_for(lambda: not _alive(core_pid), 30, "the orphaned core to exit")
     assert not socket_file.exists()
+
+
+def test_socket_files_left_by_killed_cores_go_and_live_or_young_ones_stay(tmp_path) -> None:
+    """A supervisor killed with its core (an OOM kill of both, a Ray worker's children killed with it) leaves its
+    socket file: the next core's start removes those no core listens on, by a connection refused, not by the pid
+    in their names (another pid namespace sharing the folder may run that pid)."""
+    old = time.time() - 2 * STALE_SOCKET_AGE_S
+
+    def bound(name: str, *, listening: bool, age: float | None = old) -> tuple[Path, socket.socket]:
+        path = tmp_path / name
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(path))
+        if listening:
+            server.listen()
+        else:
+            server.close()  # the file stays, as a killed core's does
+        if age is not None:
+            os.utime(path, (age, age))
+        return path, server
+
+    dead, _ = bound("qwen3tts-core-4242.sock", listening=False)
+    dead_random, _ = bound(f"qwen3tts-core-{os.getpid()}-0123abcd.sock", listening=False)
+    live, listener = bound("qwen3tts-core-1.sock", listening=True)
+    young, _ = bound("qwen3tts-core-7.sock", listening=False, age=None)  # maybe a core between bind and listen
+    other, _ = bound("something-else-1.sock", listening=False)
+    try:
+        removed = remove_stale_socket_files(tmp_path, "qwen3tts-core")
+        assert sorted(removed) == sorted([dead, dead_random])
+        assert not dead.exists() and not dead_random.exists()
+        assert live.exists() and young.exists() and other.exists()
+    finally:
+        listener.close()
+    first, second = fresh_core_address("qwen3tts-test"), fresh_core_address("qwen3tts-test")
+    assert first != second and first.startswith(f"ipc://{tempfile.gettempdir()}/qwen3tts-test-{os.getpid()}-")
 
 
 def _alive(pid: int) -> bool:
