@@ -139,7 +139,7 @@ class Options:
     max_rss_growth_mb: float = 100.0
     max_device_growth_mb: float = 256.0
     # serve's processes' open files and threads at the end against the start, all summed: a few files open at the
-    # first requests (metrics files, say), where a leak of one a connection would show hundreds
+    # first requests (metrics files, say), where a leak of one per connection would show hundreds
     max_open_files_growth: int = 16
     max_threads_growth: int = 8
     max_p95_ratio: float = 2.0
@@ -698,7 +698,7 @@ class Server:
         return named
 
     def memory(self) -> dict[str, Any]:
-        """Resident memory, open files and threads of each of serve's processes (the API side's summed), and the
+        """Resident memory (the API side's summed too), open files and threads of each of serve's processes, and the
         engine's device memory."""
         rss: dict[str, float] = {}
         files: dict[str, int] = {}
@@ -719,9 +719,7 @@ class Server:
             "core_rss_mb": rss.get("core"),
             "device_memory_mb": device,
             "open_files": files,
-            "api_open_files": sum(v for name, v in files.items() if name != "core"),
             "threads": threads,
-            "api_threads": sum(v for name, v in threads.items() if name != "core"),
         }
 
     def ready_status(self) -> int:
