@@ -27,9 +27,16 @@ from qwen3tts_agent.models import (
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
+# The talker greedy; the official sub-talker (the code predictor) still samples by default, so each test seeds
+# PyTorch's generator (`_seeded`): otherwise its draws depend on the files an xdist worker ran before this one.
 GREEDY = {"max_new_tokens": 12, "do_sample": False}
 # Official generate yields max_new_tokens - 1 frames when there is no EOS (never, on synthetic models).
 FRAMES = 11
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")
