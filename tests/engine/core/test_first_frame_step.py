@@ -149,11 +149,13 @@ def test_on_a_full_device_first_frames_wait_for_the_clock_and_change_no_code() -
         alone = {n: engine.synthesize_blocking(TEXT, voice=voice, sampling=SamplingParams.greedy(max_frames=n, ignore_eos=True))
                  for n in (40, 24)}
         running = [_run(engine, voice, 40) for _ in range(load)]
-        chunks = running[0].chunks(timeout=120)
-        started = [next(chunks)]  # they are stepping now
+        chunks = [s.chunks(timeout=120) for s in running]
+        # every one of them is stepping now (the first alone would not do: on a busy machine the others' prompts
+        # may still run when the new streams come, whose first frames then share a step with theirs)
+        started = [[next(c)] for c in chunks]
         new = [_run(engine, voice, 24) for _ in range(2)]
         new_audio = [_audio(s.chunks(timeout=120)) for s in new]
-        running_audio = [_audio(chunks, started)] + [_audio(s.chunks(timeout=120)) for s in running[1:]]
+        running_audio = [_audio(c, first) for c, first in zip(chunks, started, strict=True)]
     finally:
         engine.close()
     assert paced_first_frames and all(paced_first_frames), paced_first_frames
