@@ -877,28 +877,15 @@ def scrape_agreement(server: Server, scrapes: int) -> dict[str, Any]:
                          for key in differing[:10] for name, labels in [key]}}
 
 
-class Sampler(threading.Thread):
-    """The server's memory and gauges every `every_s` seconds, for the report's timeline."""
-
-    def __init__(self, server: Server, every_s: float, origin: float) -> None:
-        super().__init__(name="sampler", daemon=True)
-        self.server, self.every_s, self.origin = server, every_s, origin
-        self.samples: list[dict[str, Any]] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.every_s):
-            sample: dict[str, Any] = {"t_s": round(time.monotonic() - self.origin, 1)}
-            try:
-                sample.update(self.server.memory())
-                sample["gauges"] = gauges(scrape(self.server.port))
-            except Exception as exc:  # noqa: BLE001 - e.g. the core restarting: noted, sampling goes on
-                sample["error"] = f"{type(exc).__name__}: {exc}"[:200]
-            self.samples.append(sample)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(60)
+def _sample(server: Server, origin: float) -> dict[str, Any]:
+    """The server's memory and gauges now, for the report's timeline (`load.PeriodicSampler` takes them)."""
+    sample: dict[str, Any] = {"t_s": round(time.monotonic() - origin, 1)}
+    try:
+        sample.update(server.memory())
+        sample["gauges"] = gauges(scrape(server.port))
+    except Exception as exc:  # noqa: BLE001 - e.g. the core restarting: noted, sampling goes on
+        sample["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return sample
 
 
 # ---------------------------------------------------------------------- the run
@@ -942,7 +929,8 @@ def _drive(server: Server, options: Options) -> dict[str, Any]:
     hostile = {kind: context.Process(target=hostile_process, args=(plan(kind, i), hostile_results), daemon=True)
                for i, kind in enumerate(kinds)}
     killer = KillReconnect(plan("kill_reconnect", len(KINDS))) if "kill_reconnect" in options.kinds else None
-    sampler = Sampler(server, max(5.0, options.duration_s / 20), start_at)
+    every_s = max(5.0, options.duration_s / 20)
+    sampler = load.PeriodicSampler(lambda: _sample(server, start_at), every_s, time.monotonic() + every_s, "sampler")
     for process in [*good, *hostile.values()]:
         process.start()
     if killer is not None:
@@ -978,7 +966,7 @@ def _drive(server: Server, options: Options) -> dict[str, Any]:
         killer.stop()
     for process in good:
         process.join(10)
-    sampler.stop()
+    samples = sampler.stop(timeout=60)
     print(f"[{time.strftime('%H:%M:%S')}] every client has left; waiting for the gauges", file=sys.stderr, flush=True)
 
     settled = settle(server, scrapes, options.settle_s)
@@ -987,7 +975,7 @@ def _drive(server: Server, options: Options) -> dict[str, Any]:
     final_metrics = scrape(server.port)
     memory_end = server.memory()
     report = _report(options, server, records, tallies, killer, core_kill, settled, agreement, served_after,
-                     final_metrics, memory_start, memory_end, sampler.samples, (start_at, hostile_at, end_at))
+                     final_metrics, memory_start, memory_end, samples, (start_at, hostile_at, end_at))
     report["checks"] = checks(report, options)
     report["ok"] = all(check["ok"] for check in report["checks"].values())
     return report

@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -519,37 +519,46 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
         os.killpg(server.pid, signal.SIGKILL)
 
 
-class StreamLimitSampler(threading.Thread):
-    """The engine's stream limit and its streams (active, queued), scraped every `period_s` from `start_at` until
-    `stop`: when late chunks cut the limit and how low (the window's `stream_limit_seconds` says how long in all,
-    not when or from how many streams). Rows [seconds from `start_at`, limit, active, queued]; a failed scrape
-    is skipped."""
+class PeriodicSampler(threading.Thread):
+    """`take()` every `every_s` seconds from `start_at` (monotonic) until `stop`, which returns what it took (a None
+    taken is left out): the figures a window's or a run's totals do not show, as they went."""
 
-    def __init__(self, url: str, api_key: str | None, start_at: float, period_s: float = 0.5) -> None:
-        super().__init__(name="stream-limit-sampler", daemon=True)
-        self.url, self.api_key, self.start_at, self.period_s = url, api_key, start_at, period_s
-        self.rows: list[list[float]] = []
+    def __init__(self, take: Callable[[], Any], every_s: float, start_at: float, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.take, self.every_s, self.start_at = take, every_s, start_at
+        self.samples: list[Any] = []
         self._stopped = threading.Event()
 
     def run(self) -> None:
         if self._stopped.wait(max(0.0, self.start_at - time.monotonic())):
             return
         while True:
-            try:
-                gauges = scrape(self.url, self.api_key)
-            except OSError:  # a scrape that timed out or was refused: the next one may not be
-                gauges = {}
-            if "qwen3tts_engine_stream_limit" in gauges:
-                self.rows.append([round(time.monotonic() - self.start_at, 2), gauges["qwen3tts_engine_stream_limit"],
-                                  gauges.get("qwen3tts_engine_active_streams", 0.0),
-                                  gauges.get("qwen3tts_engine_queued_streams", 0.0)])
-            if self._stopped.wait(self.period_s):
+            if (sample := self.take()) is not None:
+                self.samples.append(sample)
+            if self._stopped.wait(self.every_s):
                 return
 
-    def stop(self) -> dict[str, object]:
+    def stop(self, timeout: float) -> list[Any]:
         self._stopped.set()
-        self.join(timeout=15)
-        return {"period_s": self.period_s, "columns": ["s", "limit", "active", "queued"], "rows": self.rows}
+        self.join(timeout)
+        return self.samples
+
+
+STREAM_LIMIT_EVERY_S = 0.5
+
+
+def stream_limit_row(url: str, api_key: str | None, start_at: float) -> list[float] | None:
+    """[seconds from `start_at`, the engine's stream limit, active streams, queued streams] (`run_rate` samples it
+    through each window: when late chunks cut the limit and how low, which the window's `stream_limit_seconds`
+    does not say); None where the scrape failed or had no limit."""
+    try:
+        gauges = scrape(url, api_key)
+    except OSError:  # a scrape that timed out or was refused: the next one may not be
+        return None
+    if "qwen3tts_engine_stream_limit" not in gauges:
+        return None
+    return [round(time.monotonic() - start_at, 2), gauges["qwen3tts_engine_stream_limit"],
+            gauges.get("qwen3tts_engine_active_streams", 0.0), gauges.get("qwen3tts_engine_queued_streams", 0.0)]
 
 
 def run_rate(
@@ -573,14 +582,17 @@ def run_rate(
         c.start()
     profile = _ProfileWindow(args, server_pid, f"{transport}-{held}-held" if held else f"{transport}-{rate:g}")
     profile.start_at(start_at + args.warmup)
-    sampler = StreamLimitSampler(url, args.api_key, start_at)  # from the warm-up's start: a cut there counts too
+    # from the warm-up's start: a cut there counts too
+    sampler = PeriodicSampler(lambda: stream_limit_row(url, args.api_key, start_at), STREAM_LIMIT_EVERY_S, start_at,
+                              "stream-limit-sampler")
     sampler.start()
     records: list[Record] = []
     try:
         for _ in clients:
             records += [Record(**r) for r in results.get(timeout=total + args.drain_timeout)]
     finally:
-        samples = sampler.stop()
+        samples = {"period_s": STREAM_LIMIT_EVERY_S, "columns": ["s", "limit", "active", "queued"],
+                   "rows": sampler.stop(timeout=15)}
     for c in clients:
         c.join()
     after, elapsed = scrape(url, args.api_key), time.monotonic() - scraped
