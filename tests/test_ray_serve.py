@@ -457,7 +457,13 @@ async def test_engine_load_autoscaling_adds_a_replica_for_busy_slots_and_removes
 ) -> None:
     """Redeploys the application autoscaled on engine load. Two sessions that hold the one replica's two slots
     (load 1.0 against a target of 0.6) bring the second replica; as ongoing requests they are 2, an eighth of the
-    default target of that signal. Once they end, the load is 0 and Serve goes back to one replica."""
+    default target of that signal. Once they end, the load is 0 and Serve goes back to one replica.
+
+    The proxy's router learns of the new replica and of its first load report by long poll, a moment after
+    Serve's controller counts it running: until then the full replica is the only one it knows, and a session
+    opened in that moment waits there for a slot, as on any deployment whose every replica is full. So the
+    newcomer is the first session to reach the new replica within a few seconds of it running; those opened
+    before (no text sent: they hold no slot) are closed."""
     settings = replace(
         app_settings(tmp_path), num_replicas=None, min_replicas=1, max_replicas=2, autoscale_on="engine-load",
         target_engine_load=0.6, look_back_period_s=1.0, upscale_delay_s=0.5, downscale_delay_s=2.0,
@@ -473,8 +479,7 @@ async def test_engine_load_autoscaling_adds_a_replica_for_busy_slots_and_removes
             held.append(s)
         assert {s.replica for s in held} == first
         grown = await wait_for_replicas(2)
-        newcomer = await Session.open(serve_url, AUTH, max_frames=4)
-        assert {newcomer.replica} == grown - first  # the full replica is passed over for the new one
+        newcomer = await session_on(serve_url, grown - first, within=10.0)  # the full replica is passed over for the new one
         await newcomer.say("Hello from the new replica.")
         done, _ = await newcomer.until("done")
         assert done["finish_reason"] == "max_frames"
@@ -485,6 +490,22 @@ async def test_engine_load_autoscaling_adds_a_replica_for_busy_slots_and_removes
     finally:
         await asyncio.gather(*(s.close() for s in [*held, *([newcomer] if newcomer else [])]))
     assert len(await wait_for_replicas(1)) == 1  # no load left: back to min_replicas
+
+
+async def session_on(url: str, replicas: set[str], within: float) -> Session:
+    """The first session opened through the proxy that lands on one of `replicas`, opening one every quarter
+    second for up to `within` seconds (sessions that land elsewhere are closed at once)."""
+    deadline = time.monotonic() + within
+    elsewhere: list[str] = []
+    while True:
+        session = await Session.open(url, AUTH, max_frames=4)
+        if session.replica in replicas:
+            return session
+        elsewhere.append(session.replica)
+        await session.close()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no session on {replicas} within {within} s: {elsewhere}")
+        await asyncio.sleep(0.25)
 
 
 def _context(
