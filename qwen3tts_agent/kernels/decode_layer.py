@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from . import common
+from . import codec_layer, common
 from .common import arrived_last, dot, jit, round_to
 from .gemv import GEMV_MAX_ROWS, gemv
 
@@ -387,7 +387,9 @@ def decode_layer(
     [b, t, hidden] tensor and writes the caches in place.
 
     The four products take all b·t token rows at once, as `gemv` up to GEMV_MAX_ROWS rows and as cuBLAS GEMMs
-    (with PyTorch's norms and SwiGLU) above. Attention is one launch per token index over strided views;
+    above, with the norms, the first residual add and SwiGLU between them as three `codec_layer` kernels
+    (PyTorch's ops take five: each is a launch of a few microseconds on every layer of the talker and the
+    predictor's fifteen steps). Attention is one launch per token index over strided views;
     token i reads the keys that the launches of tokens < i wrote, which stream order makes visible.
     """
     b, t, hidden = x.shape
@@ -414,7 +416,7 @@ def decode_layer(
         qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
         gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps, late_trigger=prefetch)
     else:
-        qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
+        qkv = F.linear(codec_layer.rms_norm(x2, layer.in_norm, layer.eps), layer.w_qkv)
 
     attn = torch.empty(b, t, layer.q_size, device=dev, dtype=dt)
     qkv3 = qkv.view(b, t, -1)
@@ -426,9 +428,9 @@ def decode_layer(
     attn = attn.view(rows, layer.q_size)
 
     if not gemv_rows:
-        x1 = x2 + F.linear(attn, layer.w_o)
-        gate, up = F.linear(F.rms_norm(x1, (hidden,), layer.post_norm, layer.eps), layer.w_gate_up).chunk(2, dim=-1)
-        return (x1 + F.linear(F.silu(gate) * up, layer.w_down)).view(b, t, hidden)
+        x1, normed = codec_layer.add_rms_norm(x2, F.linear(attn, layer.w_o), layer.post_norm, layer.eps)
+        act = codec_layer.silu_mul(F.linear(normed, layer.w_gate_up))
+        return (x1 + F.linear(act, layer.w_down)).view(b, t, hidden)
     x1 = torch.empty(rows, hidden, device=dev, dtype=dt)
     gemv(attn, layer.w_o, x1, residual=x2)
     act = torch.empty(rows, layer.ffn, device=dev, dtype=dt)
