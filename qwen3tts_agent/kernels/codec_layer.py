@@ -1,4 +1,6 @@
-"""The codec transformer's small per-layer ops as one launch each: `rms_norm`, `rope_window`, `silu_mul`.
+"""The codec transformer's small per-layer ops as one launch each: `rms_norm`, `rope_window`, `silu_mul`; and
+`add_rms_norm`, which with `rms_norm` and `silu_mul` also serves the talker's and predictor's decoder layers
+between their cuBLAS products above GEMV_MAX_ROWS rows (`decode_layer.decode_layer`).
 
 A streaming codec chunk is one to a few frames per stream, so the codec's 8-layer sliding-window transformer
 (`engine/audio/codec_transformer.py`) is bound by kernel launches, not by bytes or arithmetic: on the PyTorch
@@ -6,7 +8,8 @@ layers a layer is about 60 small kernels (each RMSNorm six, RoPE five for q and 
 history's index_select + cat + index_copy for keys and for values, ...) in a graph of ~770 launches. These
 three kernels replace those elementwise chains; the products stay cuBLAS GEMMs and attention stays SDPA.
 
-- `rms_norm`: the official `Qwen3TTSTokenizerV2DecoderRMSNorm`, one program per row.
+- `rms_norm`: the official `Qwen3TTSTokenizerV2DecoderRMSNorm` (the talker's `Qwen3TTSRMSNorm` computes the
+  same), one program per row; `add_rms_norm`: the same of a sum, which it also returns (the residual stream).
 - `rope_window`: per (batch row, head): RoPE of the new queries and keys from the fused q/k/v projection,
   and each key/value head's window [slot's history, new rows], whose newest rows then replace the history
   in place (the slot's state, as `engine.audio.codec.SlotHistory` keeps it).
@@ -103,16 +106,21 @@ def _is_rms_norm(module: nn.Module, width: int) -> bool:
 
 @jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, width, stride_x, width_f, inv_width, eps,
-    BLOCK: tl.constexpr, MEAN_BY_RECIPROCAL: tl.constexpr, LIBDEVICE: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, width, stride_x, stride_r, width_f, inv_width, eps,
+    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, MEAN_BY_RECIPROCAL: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """One row: x · rsqrt(mean(x²) + eps) in fp32, rounded to the dtype, times the weight, rounded again."""
+    """One row: x · rsqrt(mean(x²) + eps) in fp32, rounded to the dtype, times the weight, rounded again. With
+    RESIDUAL, x is first the sum of two rows rounded to the dtype (as PyTorch's add stores it), kept at `sum_ptr`."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dt = x.dtype
     xf = x.to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        xf = round_to(xf + r, dt)
+        tl.store(sum_ptr + row * width + cols, xf.to(dt), mask=ok)
     total = tl.sum(xf * xf, axis=0)
     # PyTorch's mean: CUDA multiplies the sum by the fp32 reciprocal of the count, the CPU divides by it
     variance = total * inv_width if MEAN_BY_RECIPROCAL else tl.math.div_rn(total, width_f)
@@ -127,22 +135,41 @@ def _fp32_reciprocal(n: int) -> float:
     return float(torch.tensor(1.0 / n, dtype=torch.float32))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The official decoder RMSNorm of x [..., width] (last dim contiguous) with `weight` [width] of x's dtype."""
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     width = x.shape[-1]
     if weight.shape != (width,) or weight.dtype != x.dtype:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    x2 = _rows(x, width)
+    r2 = x2 if residual is None else _rows(residual, width)
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    total = out if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
     block = common.next_power_of_2(width)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out, width, x2.stride(0), float(width), _fp32_reciprocal(width), eps,
-        BLOCK=block, MEAN_BY_RECIPROCAL=x.device.type == "cuda", LIBDEVICE=not common.interpreting(),
-        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+        x2, r2, weight, total, out, width, x2.stride(0), r2.stride(0), float(width), _fp32_reciprocal(width), eps,
+        BLOCK=block, RESIDUAL=residual is not None, MEAN_BY_RECIPROCAL=x.device.type == "cuda",
+        LIBDEVICE=not common.interpreting(), num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
     )
-    return out
+    return total, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The official decoder RMSNorm of x [..., width] (last dim contiguous) with `weight` [width] of x's dtype."""
+    return _norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, `rms_norm` of that sum) in one launch: a decoder layer's residual stream and the input of
+    its next product, which PyTorch makes in two kernels (the add, then the norm reading the sum back)."""
+    return _norm(x, residual, weight, eps)
 
 
 # ----------------------------------------------------------------------------------- RoPE and the window

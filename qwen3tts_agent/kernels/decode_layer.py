@@ -33,13 +33,14 @@ the first eager call: call `decode_layer` once before capturing a graph.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from . import common
+from . import codec_layer, common
 from .common import arrived_last, dot, jit, round_to
 from .gemv import GEMV_MAX_ROWS, gemv
 
@@ -387,9 +388,51 @@ def decode_layer(
     [b, t, hidden] tensor and writes the caches in place.
 
     The four products take all b·t token rows at once, as `gemv` up to GEMV_MAX_ROWS rows and as cuBLAS GEMMs
-    (with PyTorch's norms and SwiGLU) above. Attention is one launch per token index over strided views;
-    token i reads the keys that the launches of tokens < i wrote, which stream order makes visible.
+    above, with the norms, the first residual add and SwiGLU between them as three `codec_layer` kernels
+    (PyTorch's ops take five: each is a launch of a few microseconds on every layer of the talker and the
+    predictor's fifteen steps; `decode_layers` also folds each layer's last residual add into the next norm).
+    Attention is one launch per token index over strided views; token i reads the keys that the launches of
+    tokens < i wrote, which stream order makes visible.
     """
+    out, pending = _layer(layer, x, None, cos, sin, cache_k, cache_v, write_pos, read_len, masked)
+    return out if pending is None else out + pending
+
+
+def decode_layers(
+    layers: Sequence[DecoderLayerWeights],
+    caches_k: Sequence[torch.Tensor],
+    caches_v: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write_pos: torch.Tensor,
+    read_len: int,
+    *,
+    masked: bool = True,
+) -> torch.Tensor:
+    """`decode_layer` through a stack, layer i on caches_k[i] / caches_v[i]. Above GEMV_MAX_ROWS rows a layer's
+    output is left as its residual stream and its MLP's product, which the next layer's input norm adds
+    (`codec_layer.add_rms_norm`): one launch fewer a layer, the same roundings as the layers one by one."""
+    pending = None
+    for layer, cache_k, cache_v in zip(layers, caches_k, caches_v, strict=True):
+        x, pending = _layer(layer, x, pending, cos, sin, cache_k, cache_v, write_pos, read_len, masked)
+    return x if pending is None else x + pending
+
+
+def _layer(
+    layer: DecoderLayerWeights,
+    x: torch.Tensor,
+    pending: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    write_pos: torch.Tensor,
+    read_len: int,
+    masked: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One layer on the input x + `pending` (None: x alone; only above GEMV_MAX_ROWS rows). Returns the output
+    whole and None up to GEMV_MAX_ROWS rows; above, the residual stream and the MLP's product, unsummed."""
     b, t, hidden = x.shape
     d = layer.head_dim
     kv_heads, n_q = layer.kv_size // d, layer.q_size // d
@@ -408,13 +451,19 @@ def decode_layer(
     x2 = x.reshape(rows, hidden)
 
     gemv_rows = rows <= GEMV_MAX_ROWS
+    if gemv_rows and pending is not None:
+        raise ValueError("a pending residual comes only with more than GEMV_MAX_ROWS rows")
     # a few rows' first attention launch loads its cache block and RoPE rows while the QKV product runs
     prefetch = late_qkv_trigger(b, t)
     if gemv_rows:
         qkv = torch.empty(rows, layer.w_qkv.shape[0], device=dev, dtype=dt)
         gemv(x2, layer.w_qkv, qkv, norm=layer.in_norm, eps=layer.eps, late_trigger=prefetch)
     else:
-        qkv = F.linear(F.rms_norm(x2, (hidden,), layer.in_norm, layer.eps), layer.w_qkv)
+        if pending is None:
+            normed = codec_layer.rms_norm(x2, layer.in_norm, layer.eps)
+        else:
+            x2, normed = codec_layer.add_rms_norm(x2, pending.view(rows, hidden), layer.in_norm, layer.eps)
+        qkv = F.linear(normed, layer.w_qkv)
 
     attn = torch.empty(b, t, layer.q_size, device=dev, dtype=dt)
     qkv3 = qkv.view(b, t, -1)
@@ -426,13 +475,13 @@ def decode_layer(
     attn = attn.view(rows, layer.q_size)
 
     if not gemv_rows:
-        x1 = x2 + F.linear(attn, layer.w_o)
-        gate, up = F.linear(F.rms_norm(x1, (hidden,), layer.post_norm, layer.eps), layer.w_gate_up).chunk(2, dim=-1)
-        return (x1 + F.linear(F.silu(gate) * up, layer.w_down)).view(b, t, hidden)
+        x1, normed = codec_layer.add_rms_norm(x2, F.linear(attn, layer.w_o), layer.post_norm, layer.eps)
+        act = codec_layer.silu_mul(F.linear(normed, layer.w_gate_up))
+        return x1.view(b, t, hidden), F.linear(act, layer.w_down).view(b, t, hidden)
     x1 = torch.empty(rows, hidden, device=dev, dtype=dt)
     gemv(attn, layer.w_o, x1, residual=x2)
     act = torch.empty(rows, layer.ffn, device=dev, dtype=dt)
     gemv(x1, layer.w_gate_up, act, norm=layer.post_norm, eps=layer.eps, gated=True)
     out = torch.empty(b, t, hidden, device=dev, dtype=dt)
     gemv(act, layer.w_down, out.view(rows, hidden), residual=x1)
-    return out
+    return out, None

@@ -74,6 +74,36 @@ def test_rms_norm_equals_the_module(device: str, dtype: torch.dtype, width: int,
         assert _ulps(got, expected, expected, dtype) <= (1 if device == "cuda" else 3)
 
 
+@DTYPES
+@pytest.mark.parametrize("width", [32, 100])
+def test_add_rms_norm_equals_the_add_and_the_talkers_norm(device: str, dtype: torch.dtype, width: int) -> None:
+    """[7, width] rows and a residual read from a slice of wider rows: the sum as PyTorch's add stores it, and the
+    talker's official norm of that sum (the batched decoder layer's residual stream and its MLP input)."""
+    import_qwen_tts()
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSRMSNorm
+
+    module = Qwen3TTSRMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(width)) + 0.5)
+    module = module.to(device, dtype)
+    x = _randn(7, width, seed=width, scale=3.0).to(device, dtype)
+    residual = _randn(7, width + 5, seed=width + 1, scale=2.0).to(device, dtype)[:, 2 : 2 + width]
+    total, normed = codec_layer.add_rms_norm(x, residual, module.weight, module.variance_epsilon)
+    expected_total = x + residual
+    with torch.no_grad():
+        expected = module(expected_total)
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    assert float((normed.float() - expected_total.float()).abs().max()) > 0.1, "vacuous: the norm did nothing"
+    if dtype == torch.float32 or device == "cuda":
+        assert torch.equal(total, expected_total)
+    else:  # the interpreter truncates to bf16 where PyTorch rounds
+        assert _ulps(total, expected_total, expected_total, dtype) <= 1
+    if dtype == torch.float32:
+        assert float(((normed - expected).abs() / expected.abs().clamp(min=1e-6)).max()) < 4 * torch.finfo(dtype).eps
+    else:
+        assert _ulps(normed, expected, expected, dtype) <= (1 if device == "cuda" else 3)
+
+
 # (heads, kv_heads, head_dim, window, frames): one frame; more frames than the history (head_dim not a power of
 # two); more frames than a program rotates at once, with the real 72-frame window
 ROPE_CASES = [(4, 2, 8, 6, 1), (2, 2, 12, 5, 7), (3, 1, 16, 72, 20)]

@@ -148,6 +148,31 @@ def test_decode_layer_matches_the_pytorch_layer(device: str, case: Case, monkeyp
     assert bool((out_k[written] != cache_k[written]).any()), "the new keys were not written"
 
 
+@pytest.mark.parametrize("b", [8, 70])  # the GEMV path, and the cuBLAS path whose residual adds move into the norms
+def test_a_stack_equals_its_layers_one_by_one(device: str, b: int) -> None:
+    """`decode_layers` over three layers gives `decode_layer`'s output layer after layer, bit for bit in fp32 (above
+    64 rows each layer's last residual add goes into the next layer's input norm, rounded as the add rounds it),
+    and writes the same cache columns."""
+    shape, dtype, read_len = SHAPES["tiny"], torch.float32, 37
+    torch.manual_seed(b)
+    layers = [_layer(shape, dtype, device) for _ in range(3)]
+    caches_k = [torch.randn(b, shape.kv_heads, MAX_LEN + 1, shape.head_dim).to(device, dtype) for _ in layers]
+    caches_v = [torch.randn_like(k) for k in caches_k]
+    x = (2 * torch.randn(b, 1, shape.hidden)).to(device, dtype)
+    write_pos = torch.randint(0, read_len, (b, 1)).to(device)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim))
+    cos, sin = rope_tables(inv_freq.to(device), torch.arange(MAX_LEN + 1, device=device), dtype)
+
+    one_k, one_v = [k.clone() for k in caches_k], [v.clone() for v in caches_v]
+    expected = x
+    for layer, k, v in zip(layers, one_k, one_v, strict=True):
+        expected = decode_layer.decode_layer(layer, expected, cos, sin, k, v, write_pos, read_len)
+    got = decode_layer.decode_layers(layers, caches_k, caches_v, x, cos, sin, write_pos, read_len)
+    assert float((expected - x).abs().max()) > 0.1, "vacuous: the layers did nothing"
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, e) for a, e in zip(caches_k + caches_v, one_k + one_v, strict=True))
+
+
 def test_cases_cover_single_and_split_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid reaches attention with and without key splits, GEMVs with and without K splits, and the
     padded head lanes (odd shapes) beside unpadded ones, as the interpreted cases run them."""

@@ -262,12 +262,13 @@ class ModelRunner:
         fused = self.fused_talker and mask is None
         if mask is None and not fused:
             mask = (torch.arange(read_len, device=self.device) <= write_pos.unsqueeze(-1)).unsqueeze(1)
-        cos, sin = (self.cos, self.sin) if fused else (self.cos[write_pos], self.sin[write_pos])
+        if fused:
+            return decode_layer.decode_layers(
+                self.layers, self.k_cache, self.v_cache, x, self.cos, self.sin, write_pos, read_len, masked=True
+            )
+        cos, sin = self.cos[write_pos], self.sin[write_pos]
         for layer, ck, cv in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            if fused:
-                x = decode_layer.decode_layer(layer, x, cos, sin, ck, cv, write_pos, read_len, masked=True)
-            else:
-                x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
+            x = layer(x, cos, sin, ck, cv, write_rows, write_pos, read_rows, read_len, mask)
         return x
 
     def _predictor_forward(self, x: torch.Tensor, b: int, start: int) -> torch.Tensor:
@@ -277,8 +278,9 @@ class ModelRunner:
         x = self._to_predictor_width(x)
         pos = self._predictor_positions[start : start + t].expand(b, t)
         if self.fused_predictor:
-            for layer, ck, cv in zip(self.p_layers, self.pk_cache, self.pv_cache, strict=True):
-                x = decode_layer.decode_layer(layer, x, self.p_cos, self.p_sin, ck, cv, pos, start + t, masked=False)
+            x = decode_layer.decode_layers(
+                self.p_layers, self.pk_cache, self.pv_cache, x, self.p_cos, self.p_sin, pos, start + t, masked=False
+            )
             return x[:, -1]
         cos, sin = self.p_cos[pos], self.p_sin[pos]
         rows = self._arange_slots[:b].unsqueeze(1)

@@ -98,10 +98,10 @@ class StagingCache:
         b = embeds.shape[0]
         x = embeds
         with kernel_common.own_counters(self._counters):  # not the frame step's: they may run together
-            for layer, ck, cv in zip(runner.layers, self.kv[0], self.kv[1], strict=True):
-                x = decode_layer.decode_layer(
-                    layer, x, runner.cos, runner.sin, ck[:b], cv[:b], write_pos, kv_len, masked=True
-                )
+            x = decode_layer.decode_layers(
+                runner.layers, self.kv[0, :, :b].unbind(0), self.kv[1, :, :b].unbind(0), x, runner.cos, runner.sin,
+                write_pos, kv_len, masked=True,
+            )
         return runner.norm(x[:, 0])
 
     def finish(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
