@@ -28,10 +28,12 @@ ATTENTION_SIGNATURE = {
 
 def _ptx(kernel: Any, signature: dict[str, str], constants: dict[str, Any], pdl: bool, divisible: tuple[str, ...] = ()) -> list[str]:
     """The kernel compiled for sm_90, as PTX lines; pointers and strides 16-byte aligned, and the integer arguments
-    `divisible` multiples of 16 (as Triton specializes such arguments when it launches a kernel)."""
+    `divisible` multiples of 16 (as Triton specializes such arguments when it launches a kernel). `signature` lists
+    the kernel's arguments in order up to its last runtime one; an argument given a value in `constants` there (as
+    Triton specializes an integer 1 at launch) is marked "constexpr" in its place: attributes go by position."""
     assert not common.interpreting(), "this process compiles the kernels (tests/kernels runs interpreted)"
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-               if kind.startswith("*") or name.startswith("stride") or name in divisible}
+               if kind != "constexpr" and (kind.startswith("*") or name.startswith("stride") or name in divisible)}
     source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl}).asm["ptx"].splitlines()
 
@@ -102,15 +104,28 @@ def test_the_codebook_sum_loads_and_stores_16_bytes_at_a_time() -> None:
 
 @pytest.mark.parametrize("residual", [False, True], ids=["bias", "bias+residual"])
 def test_the_conv_epilogue_loads_and_stores_16_bytes_at_a_time(residual: bool) -> None:
-    """Where its rows start 16-byte aligned and their length is a multiple of 16 (as in the released decoder's
-    blocks, where a frame is 32, 160, 640 and 1920 steps), the conv epilogue reads the convolution's output (and the
-    residual) and writes the sum and the activation eight bf16 values at a time. (Where the next convolution's
-    history leaves its rows unaligned, the stores there go a value at a time, as the history copy's did.)"""
+    """On the codec's channels-contiguous tensors (channel strides 1, as Triton specializes them at launch; widths
+    and time strides multiples of 16, as in the released decoder, whose widths are 96 to 1536 channels, so that a
+    chunk behind a history starts aligned too) the conv epilogue reads the convolution's output (and the residual)
+    and writes the sum and the activation eight bf16 values at a time."""
     pointers = ("raw_ptr", "bias_ptr", "residual_ptr", "alpha_ptr", "inv_beta_ptr", "sum_ptr", "out_ptr")
+    tensors = ("r", "e", "s", "o")
     signature = {**dict.fromkeys(pointers, "*bf16"), "channels": "i32", "length": "i32",
-                 **dict.fromkeys(("stride_rb", "stride_rc", "stride_sb", "stride_sc", "stride_ob", "stride_oc"), "i32")}
-    constants = dict(BLOCK=conv_epilogue.BLOCK, RESIDUAL=residual, KEEP_SUM=True, LIBDEVICE=True)
-    lines = _ptx(conv_epilogue._epilogue_kernel, signature, constants, False, divisible=("length",))
+                 **{f"stride_{t}{axis}": "constexpr" if axis == "c" else "i32" for t in tensors for axis in "bct"}}
+    constants = dict(BLOCK_T=conv_epilogue.BLOCK_T, BLOCK_C=conv_epilogue.BLOCK_C, RESIDUAL=residual, KEEP_SUM=True,
+                     LIBDEVICE=True, **{f"stride_{t}c": 1 for t in tensors})
+    lines = _ptx(conv_epilogue._epilogue_kernel, signature, constants, False, divisible=("channels",))
     wide_loads = [line for line in lines if "ld.global" in line and ".v4" in line]
     wide_stores = [line for line in lines if "st.global.v4" in line]
     assert len(wide_loads) >= (2 if residual else 1) and len(wide_stores) >= 2, "a bf16 row read or written a value at a time"
+
+
+def test_the_output_conv_loads_its_input_16_bytes_at_a_time() -> None:
+    """The decoder's last convolution reads its channels-contiguous input (channel stride 1, widths a multiple of 16)
+    eight bf16 values at a time: the kernel is memory-bound, and the audio's widest tensor is its input."""
+    signature = {**dict.fromkeys(("x_ptr", "weight_ptr", "bias_ptr", "out_ptr"), "*bf16"), "channels": "i32",
+                 "length": "i32", "stride_xb": "i32", "stride_xc": "constexpr", "stride_xt": "i32"}
+    constants = dict(stride_xc=1, TAPS=7, DILATION=1, BLOCK_T=conv_epilogue.OUTPUT_BLOCK_T,
+                     BLOCK_C=conv_epilogue.OUTPUT_BLOCK_C, BIAS=True)
+    lines = _ptx(conv_epilogue._output_conv_kernel, signature, constants, False, divisible=("channels",))
+    assert [line for line in lines if "ld.global" in line and ".v4" in line], "the input read a value at a time"

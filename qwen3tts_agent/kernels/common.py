@@ -82,6 +82,15 @@ def dtype_support(dtype: torch.dtype) -> Support:
     return unsupported(f"dtype {str(dtype).removeprefix('torch.')} not supported")
 
 
+def empty_bct(batch: int, channels: int, steps: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [batch, channels, steps] on `like`'s device, in its dtype and layout: channels contiguous
+    in memory ([batch, steps, channels], as channels-last convolutions read and write) where `like`'s are, else
+    time steps."""
+    if channels > 1 and like.stride(1) == 1:
+        return torch.empty(batch, steps, channels, device=like.device, dtype=like.dtype).transpose(1, 2)
+    return torch.empty(batch, channels, steps, device=like.device, dtype=like.dtype)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -6,13 +6,21 @@ unit's second convolution adds the unit's input; and the next op is a SnakeBeta 
 streaming decoder then copies behind the next convolution's history (`kernels.history`). At 128 streams x 8 frames
 on an H100 these passes took more of a codec call than the convolutions themselves (docs/gpu.md, "Codec kernels").
 
-Here one program per (row, time block) reads the convolution's output without bias (and the residual) once and
-writes the activation's output straight into the next convolution's input, behind the room left for its history,
-plus the sum where it is the next unit's residual. Each step is rounded to the model dtype where PyTorch's kernels
-store it (the conv's output, output + bias, + residual, and the activation's x·α, sin, its square and the bump
-scaled by 1/β, five kernels in the module), sinf is libdevice's as in PyTorch's kernel, and fp32 products are not
-contracted into FMAs, so the result equals the PyTorch ops on a GPU, where cuDNN's convolution leaves the bias out
-as here.
+Here one program per tile (a row's block of time steps by a block of channels) reads the convolution's output
+without bias (and the residual) once and writes the activation's output straight into the next convolution's
+input, behind the room left for its history, plus the sum where it is the next unit's residual. The codec keeps
+these tensors channels-contiguous, as cuDNN's tensor-core convolutions read and write them
+(`engine/audio/codec.py`, `channels_last_conv`); the kernel takes any strides. Each step is rounded to the model
+dtype where PyTorch's kernels store it (the conv's output, output + bias, + residual, and the activation's x·α,
+sin, its square and the bump scaled by 1/β, five kernels in the module), sinf is libdevice's as in PyTorch's
+kernel, and fp32 products are not contracted into FMAs, so the result equals the PyTorch ops on a GPU, where
+cuDNN's convolution leaves the bias out as here.
+
+The decoder's last convolution (its channels to one, then a clamp to [-1, 1]) is a kernel of its own here too
+(`OutputConv`): a convolution with one output channel has nothing for cuDNN's tensor cores to do, and on
+channels-contiguous input cuDNN ran it at some batch shapes on a direct kernel that took 70 ms of a 74 ms call on
+an H100 (docs/gpu.md, "Codec kernels"). It is a dot product per output sample, which a program sums over a tile of
+time steps by channels for every tap: memory-bound, each input read from DRAM once.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ try:
 except ImportError:  # keeps the module importable without triton; common.available() reports False
     pass
 
-BLOCK = 1024  # time steps per program
+BLOCK_T, BLOCK_C = 64, 32  # a program's tile: time steps x channels (the released decoder's widths are multiples of 32)
 
 
 @dataclass(frozen=True)
@@ -75,33 +83,41 @@ def supports_decoder(audio_decoder: OfficialModule) -> common.Support:
         stages = decoder_stages(audio_decoder)
     except (AttributeError, TypeError, ValueError) as error:
         return common.unsupported(f"an audio decoder of another structure ({error})")
-    return next((s for s in (supports(stage.conv.conv, stage.activation) for stage in stages) if not s), common.SUPPORTED)
+    last = audio_decoder[-1].conv
+    return next(
+        (s for s in (*(supports(stage.conv.conv, stage.activation) for stage in stages), supports_output(last)) if not s),
+        common.SUPPORTED,
+    )
 
 
 @jit
 def _epilogue_kernel(
     raw_ptr, bias_ptr, residual_ptr, alpha_ptr, inv_beta_ptr, sum_ptr, out_ptr, channels, length,
-    stride_rb, stride_rc, stride_sb, stride_sc, stride_ob, stride_oc,
-    BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, KEEP_SUM: tl.constexpr, LIBDEVICE: tl.constexpr,
+    stride_rb, stride_rc, stride_rt, stride_eb, stride_ec, stride_et,
+    stride_sb, stride_sc, stride_st, stride_ob, stride_oc, stride_ot,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, RESIDUAL: tl.constexpr, KEEP_SUM: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
-    """out = snake(raw + bias (+ residual)), and the sum itself into `sum_ptr` (dense) when KEEP_SUM. Every tensor
-    is [B, C, T] with its time steps contiguous; the residual has the dense sum's shape and strides."""
-    row = tl.program_id(0)  # b * channels + c
-    b, c = (row // channels).to(tl.int64), row % channels
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = t < length
-    raw = tl.load(raw_ptr + b * stride_rb + c * stride_rc + t, mask=ok, other=0.0)
+    """out = snake(raw + bias (+ residual)), and the sum itself into `sum_ptr` when KEEP_SUM. Every tensor is
+    [B, C, T] with strides of its own: one program per (row, block of time, block of channels), whose tile Triton
+    reads and writes along whichever of the two is contiguous in each tensor."""
+    b = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+    c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    ok_c = c < channels
+    ok = (t < length) & ok_c
+    raw = tl.load(raw_ptr + b * stride_rb + c * stride_rc + t * stride_rt, mask=ok, other=0.0)
     dt = raw.dtype
-    h = round_to(raw.to(tl.float32) + tl.load(bias_ptr + c).to(tl.float32), dt)
-    dense = b * stride_sb + c * stride_sc + t
+    h = round_to(raw.to(tl.float32) + tl.load(bias_ptr + c, mask=ok_c, other=0.0).to(tl.float32), dt)
     if RESIDUAL:
-        h = round_to(h + tl.load(residual_ptr + dense, mask=ok, other=0.0).to(tl.float32), dt)
+        residual = tl.load(residual_ptr + b * stride_eb + c * stride_ec + t * stride_et, mask=ok, other=0.0)
+        h = round_to(h + residual.to(tl.float32), dt)
     if KEEP_SUM:
-        tl.store(sum_ptr + dense, h.to(dt), mask=ok)
-    scaled = round_to(h * tl.load(alpha_ptr + c).to(tl.float32), dt)
+        tl.store(sum_ptr + b * stride_sb + c * stride_sc + t * stride_st, h.to(dt), mask=ok)
+    scaled = round_to(h * tl.load(alpha_ptr + c, mask=ok_c, other=0.0).to(tl.float32), dt)
     sine = round_to(sinf(scaled, LIBDEVICE), dt)
-    bump = round_to(tl.load(inv_beta_ptr + c).to(tl.float32) * round_to(sine * sine, dt), dt)
-    tl.store(out_ptr + b * stride_ob + c * stride_oc + t, (h + bump).to(dt), mask=ok)
+    bump = round_to(tl.load(inv_beta_ptr + c, mask=ok_c, other=0.0).to(tl.float32) * round_to(sine * sine, dt), dt)
+    tl.store(out_ptr + b * stride_ob + c * stride_oc + t * stride_ot, (h + bump).to(dt), mask=ok)
 
 
 def supports(conv: nn.Module, activation: nn.Module) -> common.Support:
@@ -136,21 +152,99 @@ class ConvEpilogue:
     def __call__(
         self, raw: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None, keep_sum: bool = False,
     ) -> torch.Tensor | None:
-        """Write activation(raw + bias (+ residual)) into `out` ([B, C, T], time contiguous, e.g. the chunk's part
-        of the next convolution's input). `raw`: the convolution's output without its bias, [B, C, T], time
-        contiguous (a slice in time is fine); `residual`: dense [B, C, T]. Returns the sum before the activation
-        (dense) when `keep_sum`, else None."""
+        """Write activation(raw + bias (+ residual)) into `out`, e.g. the chunk's part of the next convolution's
+        input. `raw`: the convolution's output without its bias; `raw`, `out` and `residual` [B, C, T] of one shape,
+        each with any strides (a slice in time is fine), fastest where channels or time steps are contiguous.
+        Returns the sum before the activation when `keep_sum`: dense, in `raw`'s layout (channels or time steps contiguous), as
+        the next residual unit reads it beside its own convolution's output. Else None."""
         batch, channels, length = raw.shape
-        if out.shape != raw.shape or length > 1 and (raw.stride(-1) != 1 or out.stride(-1) != 1):
-            raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} need one shape, time contiguous")
-        if residual is not None and (residual.shape != raw.shape or not residual.is_contiguous()):
-            raise ValueError(f"the residual must be dense and of shape {tuple(raw.shape)}")
-        total = torch.empty(raw.shape, device=raw.device, dtype=raw.dtype) if keep_sum else None
-        _epilogue_kernel[(batch * channels, triton.cdiv(length, BLOCK))](  # unused pointers: any tensor
-            raw, self.bias, raw if residual is None else residual, self.alpha, self.inv_beta,
-            out if total is None else total, out, channels, length, raw.stride(0), raw.stride(1),
-            channels * length, length, out.stride(0), out.stride(1),
-            BLOCK=BLOCK, RESIDUAL=residual is not None, KEEP_SUM=keep_sum, LIBDEVICE=not common.interpreting(),
-            enable_fp_fusion=False,
+        if out.shape != raw.shape:
+            raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} need one shape")
+        if residual is not None and residual.shape != raw.shape:
+            raise ValueError(f"the residual must be of shape {tuple(raw.shape)}, got {tuple(residual.shape)}")
+        total = common.empty_bct(batch, channels, length, like=raw) if keep_sum else None
+        written = out if total is None else total  # unused pointers: any tensor
+        read = raw if residual is None else residual
+        grid = (batch, triton.cdiv(length, BLOCK_T), triton.cdiv(channels, BLOCK_C))
+        _epilogue_kernel[grid](
+            raw, self.bias, read, self.alpha, self.inv_beta, written, out, channels, length,
+            *raw.stride(), *read.stride(), *written.stride(), *out.stride(),
+            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, RESIDUAL=residual is not None, KEEP_SUM=keep_sum,
+            LIBDEVICE=not common.interpreting(), enable_fp_fusion=False,
         )
         return total
+
+
+OUTPUT_BLOCK_T, OUTPUT_BLOCK_C = 128, 32  # `OutputConv`'s tile: output samples x channels
+
+
+@jit
+def _output_conv_kernel(
+    x_ptr, weight_ptr, bias_ptr, out_ptr, channels, length, stride_xb, stride_xc, stride_xt,
+    TAPS: tl.constexpr, DILATION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BIAS: tl.constexpr,
+):
+    """out[b, t] = clamp(sum over taps k and channels c of x[b, c, t + k·DILATION]·w[k, c] (+ bias), -1, 1), the
+    conv's output rounded to the model dtype before the bias as PyTorch's ops store it. One program per (row, block of
+    output samples); x [B, C, T + (TAPS - 1)·DILATION] with any strides, w [TAPS, C] dense, out [B, T] dense."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok_t = t < length
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    first = 0
+    while first < channels:  # not `for ... in range(runtime bound)`: the interpreter cannot index with a runtime scalar
+        c = first + tl.arange(0, BLOCK_C)
+        ok_c = c < channels
+        for k in tl.static_range(TAPS):
+            x = tl.load(
+                x_ptr + b * stride_xb + c[None, :] * stride_xc + (t[:, None] + k * DILATION) * stride_xt,
+                mask=ok_t[:, None] & ok_c[None, :], other=0.0,
+            )
+            w = tl.load(weight_ptr + k * channels + c, mask=ok_c, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
+        first += BLOCK_C
+    dt = out_ptr.dtype.element_ty
+    y = round_to(tl.sum(acc, axis=1), dt)
+    if BIAS:
+        y = round_to(y + tl.load(bias_ptr).to(tl.float32), dt)
+    tl.store(out_ptr + b * length + t, tl.minimum(tl.maximum(y, -1.0), 1.0).to(dt), mask=ok_t)
+
+
+def supports_output(conv: nn.Module) -> common.Support:
+    """Whether `OutputConv` takes the decoder's last convolution: an ungrouped, unstrided `nn.Conv1d` to one
+    channel, in a tested dtype."""
+    if not isinstance(conv, nn.Conv1d):
+        return common.unsupported(f"a last convolution of type {type(conv).__name__}")
+    if conv.out_channels != 1 or conv.groups != 1 or conv.stride[0] != 1:
+        return common.unsupported(f"a last convolution to {conv.out_channels} channels, stride {conv.stride[0]}")
+    return common.dtype_support(conv.weight.dtype)
+
+
+class OutputConv:
+    """The decoder's last convolution (padding 0) with its bias, clamped to [-1, 1] as the official decoder
+    clamps its audio, in one kernel (the weights read once, at construction; `supports_output` must hold)."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        if not (support := supports_output(conv)):
+            raise ValueError(f"the output conv kernel does not take this: {support.reason}")
+        self.taps, self.dilation = conv.kernel_size[0], conv.dilation[0]
+        with torch.no_grad():
+            self.weight = conv.weight.detach()[0].t().contiguous()  # [taps, channels]
+            self.bias = None if conv.bias is None else conv.bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Audio [B, 1, T - (taps - 1)·dilation] from the last convolution's input `x` [B, C, T] (any strides:
+        channels or time steps contiguous)."""
+        batch, channels, steps = x.shape
+        if channels != self.weight.shape[1]:
+            raise ValueError(f"the convolution takes {self.weight.shape[1]} channels, got {channels}")
+        length = steps - (self.taps - 1) * self.dilation
+        if length < 1:
+            raise ValueError(f"{steps} steps are fewer than the convolution's span")
+        out = torch.empty(batch, 1, length, device=x.device, dtype=x.dtype)
+        grid = (batch, triton.cdiv(length, OUTPUT_BLOCK_T))
+        _output_conv_kernel[grid](
+            x, self.weight, self.weight if self.bias is None else self.bias, out, channels, length, *x.stride(),
+            TAPS=self.taps, DILATION=self.dilation, BLOCK_T=OUTPUT_BLOCK_T, BLOCK_C=OUTPUT_BLOCK_C,
+            BIAS=self.bias is not None,
+        )
+        return out

@@ -88,7 +88,7 @@ def extend_history(history: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) 
 
 
 def complete_history(history: torch.Tensor, slots: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """`extend_history` where full [B, C, H + T] (time contiguous) already holds the chunk in its last T steps:
+    """`extend_history` where full [B, C, H + T] (any strides) already holds the chunk in its last T steps:
     write history[slots] into its first H steps, and make its last H steps the slots' new history. Returns `full`."""
     batch, channels, length = full.shape
     hist_len = history.shape[2]

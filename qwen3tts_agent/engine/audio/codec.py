@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
 import torch
@@ -66,9 +66,9 @@ class SlotHistory:
         return full
 
     def room(self, batch: int, steps: int) -> torch.Tensor:
-        """An uninitialised [B, C, size + steps] for `complete`: the caller writes a chunk into its last steps."""
-        channels = self.buffer.shape[1]
-        return torch.empty(batch, channels, self.size + steps, device=self.buffer.device, dtype=self.buffer.dtype)
+        """An uninitialised [B, C, size + steps] for `complete`, in the buffer's layout (channels contiguous where
+        its are): the caller writes a chunk into its last steps."""
+        return kernel_common.empty_bct(batch, self.buffer.shape[1], self.size + steps, like=self.buffer)
 
     def complete(self, slots: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """`extend` for a chunk already written into the last steps of `full` (from `room`): the history kernel
@@ -88,11 +88,14 @@ def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 # Convolutions dilated this much run as one undilated convolution over the dilation's interleaved phases
 # (`phase_split_conv`): cuDNN runs some such shapes on a slow generic kernel (benchmarks/kernels/bench_codec_convs.py).
 PHASE_SPLIT_MIN_DILATION = 9
+# The same from this dilation on the channels-last path, where cuDNN ran the dilation-3 convolutions of some batch
+# shapes on a direct kernel some fifty times slower than the time-contiguous form (docs/gpu.md, "Codec convolutions").
+CHANNELS_LAST_PHASE_SPLIT_MIN_DILATION = 3
 
 
-def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases (without the
-    conv's bias if not `bias`), time contiguous (a slice in time of a longer tensor).
+def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """conv(x) for a stride-1, ungrouped conv with dilation d, as one undilated conv over d phases, time contiguous
+    (a slice in time of a longer tensor).
 
     Output t = p + d·j reads inputs p + d·(j + k), so phase p of the input (every d-th sample from p) is an
     ordinary convolution's input: the phases go into the batch, and their outputs interleave back. The sums
@@ -104,9 +107,42 @@ def phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, bias: bool = True) -> tor
     steps = -(-out_len // d) + k - 1  # per phase, padded so that every phase has whole outputs
     phases = F.pad(x, (0, d * steps - length)).view(batch, channels, steps, d)
     phases = phases.permute(0, 3, 1, 2).reshape(batch * d, channels, steps)
-    y = F.conv1d(phases, conv.weight, conv.bias if bias else None)  # [batch * d, out, steps - k + 1]
+    y = F.conv1d(phases, conv.weight, conv.bias)  # [batch * d, out, steps - k + 1]
     y = y.view(batch, d, y.shape[1], -1).permute(0, 2, 3, 1).reshape(batch, y.shape[1], -1)
     return y[..., :out_len]
+
+
+def channels_last_weight(conv: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
+    """`conv`'s weight as a 2-D convolution's over a height of one, channels contiguous (`channels_last_conv`)."""
+    return conv.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """conv(x) (padding 0, without the bias) on operands whose channels are contiguous: `x` [B, C, T] stored
+    as [B, T, C], `weight` from `channels_last_weight`; the output likewise. cuDNN's tensor-core convolutions read
+    and write this layout: handed time-contiguous tensors it transposes the input and the weights before every
+    call and the output after it (docs/gpu.md, "Codec convolutions"). A 1-D convolution here is a 2-D one over a
+    height of one, as PyTorch runs it, but given as such: `conv1d` makes its input time-contiguous first."""
+    x4 = x.unsqueeze(2)
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose2d(x4, weight, None, (1, conv.stride[0]), 0, 0, conv.groups, (1, conv.dilation[0]))
+    else:
+        y = F.conv2d(x4, weight, None, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups)
+    return y.squeeze(2)
+
+
+def channels_last_phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`phase_split_conv` without the bias on channels-contiguous operands (`channels_last_conv`): the phases are
+    gathered, and their outputs interleaved, in that layout, with as many copies as the time-contiguous form."""
+    d, k = conv.dilation[0], conv.kernel_size[0]
+    batch, channels, length = x.shape
+    out_len = length - (k - 1) * d
+    steps = -(-out_len // d) + k - 1
+    phases = F.pad(x.transpose(1, 2), (0, 0, 0, d * steps - length)).view(batch, steps, d, channels)
+    phases = phases.transpose(1, 2).reshape(batch * d, steps, channels).transpose(1, 2)  # [batch * d, C, steps]
+    y = F.conv2d(phases.unsqueeze(2), weight).squeeze(2).transpose(1, 2)  # [batch * d, steps - k + 1, out] dense
+    y = y.view(batch, d, y.shape[1], y.shape[2]).transpose(1, 2).reshape(batch, -1, y.shape[2])
+    return y[:, :out_len].transpose(1, 2)
 
 
 class StreamingCodecDecoder:
@@ -175,11 +211,7 @@ class StreamingCodecDecoder:
         off = support.reason or "fused transformer off"
         self.transformer_path = "triton" if self._fused is not None else f"pytorch ({off})"
         self.prime_frames = self._audio_lookback()
-        self._phase_split = {
-            module for module in self._convs
-            if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= PHASE_SPLIT_MIN_DILATION
-            and module.conv.stride[0] == 1 and module.conv.groups == 1
-        }
+        self._phase_split = self._splittable(self._convs, PHASE_SPLIT_MIN_DILATION)
         # the audio half: its convolutions, each with the bias, residual and activation after it
         self._stages = conv_epilogue.decoder_stages(decoder.decoder)
         self._last_conv = decoder.decoder[-1]
@@ -187,9 +219,30 @@ class StreamingCodecDecoder:
         if fused_audio and not audio_support:
             raise ValueError(f"the conv epilogue kernels do not run here: {audio_support.reason}")
         self._epilogues: list[conv_epilogue.ConvEpilogue] = []
+        # on the epilogues' path the audio-rate convolutions run channels-last: their weights so, and their inputs,
+        # which the epilogues write into the histories' rooms
+        self._channels_last: dict[nn.Module, torch.Tensor] = {}
+        self._output: conv_epilogue.OutputConv | None = None
         if audio_support and (fused_audio or (fused_audio is None and self.device.type == "cuda")):
             self._epilogues = [conv_epilogue.ConvEpilogue(stage.conv.conv, stage.activation) for stage in self._stages]
+            self._output = conv_epilogue.OutputConv(self._last_conv.conv)
+            self._channels_last = {stage.conv: channels_last_weight(stage.conv.conv) for stage in self._stages}
+            self._phase_split |= self._splittable(self._channels_last, CHANNELS_LAST_PHASE_SPLIT_MIN_DILATION)
+            for stage in self._stages[1:]:  # the first one's input comes from the upsampler, time contiguous
+                history = self._convs[stage.conv].buffer
+                self._convs[stage.conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
+            history = self._convs[self._last_conv].buffer
+            self._convs[self._last_conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
         self.audio_path = "triton" if self._epilogues else f"pytorch ({audio_support.reason or 'fused audio off'})"
+
+    @staticmethod
+    def _splittable(modules: Iterable[nn.Module], min_dilation: int) -> set[nn.Module]:
+        """The conv wrappers among `modules` whose convolution `phase_split_conv` takes, dilated at least this much."""
+        return {
+            module for module in modules
+            if isinstance(module.conv, nn.Conv1d) and module.conv.dilation[0] >= min_dilation
+            and module.conv.stride[0] == 1 and module.conv.groups == 1
+        }
 
     def _audio_support(self) -> kernel_common.Support:
         """Whether the epilogue kernels take the audio half here: Triton runs, every stage is one the kernel takes,
@@ -342,7 +395,7 @@ class StreamingCodecDecoder:
         full = self._convs[self._stages[0].conv].extend(slots, hidden)
         residual = hidden  # as in `_audio`
         for stage, epilogue in zip(self._stages, self._epilogues, strict=True):
-            raw = self._chunk_out(stage.conv, self._unbiased_conv(stage.conv, full), full.shape[-1])
+            raw = self._chunk_out(stage.conv, self._channels_last_conv(stage.conv, full), full.shape[-1])
             history = self._convs[stage.next_conv]
             full = history.room(raw.shape[0], raw.shape[-1])
             total = epilogue(
@@ -351,7 +404,8 @@ class StreamingCodecDecoder:
             if total is not None:
                 residual = total
             history.complete(slots, full)
-        return self._last_conv.conv(full).clamp(min=-1, max=1)
+        assert self._output is not None  # built with the epilogues
+        return self._output(full)
 
     def _conv(self, module: OfficialModule, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One official causal (transposed) conv wrapper, continued from the slots' input history."""
@@ -360,14 +414,12 @@ class StreamingCodecDecoder:
         y = phase_split_conv(conv, full).contiguous() if module in self._phase_split else conv(full)
         return self._chunk_out(module, y, full.shape[-1])
 
-    def _unbiased_conv(self, module: OfficialModule, full: torch.Tensor) -> torch.Tensor:
-        """The convolution of `full` (a history and a chunk) without its bias, time contiguous."""
-        conv = module.conv
+    def _channels_last_conv(self, module: OfficialModule, full: torch.Tensor) -> torch.Tensor:
+        """The convolution of `full` (a history and a chunk) without its bias, channels contiguous."""
+        conv, weight = module.conv, self._channels_last[module]
         if module in self._phase_split:
-            return phase_split_conv(conv, full, bias=False)
-        if isinstance(conv, nn.ConvTranspose1d):
-            return F.conv_transpose1d(full, conv.weight, None, conv.stride, 0, 0, conv.groups, conv.dilation)
-        return F.conv1d(full, conv.weight, None, conv.stride, 0, conv.dilation, conv.groups)
+            return channels_last_phase_split_conv(conv, full, weight)
+        return channels_last_conv(conv, full, weight)
 
     def _chunk_out(self, module: OfficialModule, y: torch.Tensor, length: int) -> torch.Tensor:
         """The outputs of a chunk's convolution `y` over `length` input steps (history and chunk) that are new:

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from qwen3tts_agent.engine.audio.codec import StreamingCodecDecoder, phase_split_conv
+from qwen3tts_agent.engine.audio.codec import (
+    StreamingCodecDecoder,
+    channels_last_conv,
+    channels_last_phase_split_conv,
+    channels_last_weight,
+    phase_split_conv,
+)
 from qwen3tts_agent.engine.runner import split_frames
 from qwen3tts_agent.models.compat import import_qwen_tts
 
@@ -229,16 +235,36 @@ def test_synthetic_tiny_speech_tokenizer_matches_official_decode():
     (8, 5, 7, 9, 200), (8, 8, 7, 9, 55), (4, 4, 7, 3, 31), (6, 6, 3, 2, 9), (5, 3, 7, 9, 55),
 ])
 def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kernel: int, dilation: int, length: int) -> None:
-    """The dilated conv run undilated over its phases gives the same output, whatever the length's remainder, with
-    or without the bias (which the codec's epilogue kernels add themselves)."""
+    """The dilated conv run undilated over its phases gives the same output, whatever the length's remainder; so
+    does the channels-last form (without the bias, which the codec's epilogue kernels add themselves), whose
+    output has its channels contiguous."""
     torch.manual_seed(dilation * length)
     conv = torch.nn.Conv1d(channels, out, kernel, dilation=dilation).double()
     x = torch.randn(3, channels, length, dtype=torch.double)
     with torch.no_grad():
         expected, got = conv(x), phase_split_conv(conv, x)
-        unbiased = phase_split_conv(conv, x, bias=False)
+        channels_last_x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        unbiased = channels_last_phase_split_conv(conv, channels_last_x, channels_last_weight(conv))
     assert got.shape == expected.shape and (got.stride(-1) == 1 or length - (kernel - 1) * dilation == 1)
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+    assert unbiased.shape == expected.shape and unbiased.stride(1) == 1
+    assert torch.allclose(unbiased + conv.bias[:, None], expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
+def test_channels_last_conv_equals_the_module(transposed: bool) -> None:
+    """A (transposed) convolution on channels-contiguous operands, as the codec's epilogue path runs its audio-rate
+    convolutions, gives the module's output without the bias (which the epilogue adds), channels contiguous."""
+    torch.manual_seed(7)
+    conv: torch.nn.Module = (
+        torch.nn.ConvTranspose1d(6, 4, 10, stride=5) if transposed else torch.nn.Conv1d(6, 4, 7, dilation=3)
+    ).double()
+    x = torch.randn(2, 6, 40, dtype=torch.double)
+    channels_last_x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    with torch.no_grad():
+        expected = conv(x)
+        unbiased = channels_last_conv(conv, channels_last_x, channels_last_weight(conv))
+    assert unbiased.shape == expected.shape and unbiased.stride(1) == 1
     assert torch.allclose(unbiased + conv.bias[:, None], expected, rtol=0, atol=1e-12)
 
 
