@@ -894,6 +894,7 @@ def run(options: Options) -> dict[str, Any]:
     unknown = set(options.kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown hostile kinds {sorted(unknown)}; choose from {KINDS}")
+    load.unwind_on_sigterm()
     server = Server(options)
     try:
         return _drive(server, options)

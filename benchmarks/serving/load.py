@@ -510,6 +510,20 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     raise RuntimeError(f"serve was not ready within {args.startup_timeout} s")
 
 
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind this process as `SystemExit`, so that its `finally` blocks stop the server it started.
+    Killed outright (`timeout`, a job runner), a benchmark left `serve` in its own session holding the GPU, and the
+    next benchmark's server could not load its model. (Signal handlers belong to the main thread: elsewhere, as
+    when a test runs a benchmark on a thread of its own, this does nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def stop_server(server: subprocess.Popen[bytes]) -> None:
     """SIGTERM to serve's process group (the supervisor stops its workers and core), SIGKILL after 60 s."""
     os.killpg(server.pid, signal.SIGTERM)
@@ -517,6 +531,7 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
         server.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 class PeriodicSampler(threading.Thread):
@@ -799,6 +814,7 @@ def main() -> None:
 
     server = None
     url = args.url
+    unwind_on_sigterm()
     try:
         if url is None:
             server, url = start_server(args)

@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving.load import free_port
+from benchmarks.serving.load import free_port, stop_server, unwind_on_sigterm
 
 CORE_STARTED = re.compile(r"engine core started in ([\d.]+) s: imports and weights ([\d.]+) s, warm-up ([\d.]+) s")
 # the warm-up's parts, as the core logs them: each graph family's capture, then the warm-up utterance
@@ -105,12 +105,7 @@ def start_to_ready(
             if sampler is not None and sampler.poll() is None:  # the start failed before ready
                 sampler.kill()
                 sampler.wait()
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            stop_server(server)
     result: dict[str, Any] = {"ready_s": ready_s, "core": core_split(log_path.read_text(errors="replace"))}
     if profile is not None and profile.exists():
         result["core_profile"] = core_profile(profile.read_text(errors="replace").splitlines())
@@ -232,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(args.cases) - {"cold", "warm", "profiled", "prepared"}
     if unknown:
         parser.error(f"unknown cases: {', '.join(sorted(unknown))} (of cold, warm, profiled, prepared)")
+    unwind_on_sigterm()
     report = run(args)
     args.out.write_text(json.dumps(report, indent=2))
     return report
