@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from benchmarks.serving.load import LIVE_GAUGES, CapacitySearch, capacity_figures, missed_criteria
 
@@ -127,3 +131,31 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         assert capacity["rate_per_s"] is None and capacity["frames_per_s_served"] is None
         assert len(probes) == 1
     assert result.stdout.splitlines()[-1].startswith("capacity over ws ")
+
+
+def test_a_load_run_stopped_by_sigterm_stops_the_server_it_started(tmp_path: Path) -> None:
+    """`timeout` or a job runner stops a benchmark with SIGTERM: it must take its `serve` (a session of its own,
+    which no signal to the benchmark reaches) down with it, or the server holds the GPU that the next run needs."""
+    command = [
+        sys.executable, "-m", "benchmarks.serving.load", "--model", "synthetic:tiny", "--server-arg=--backend=torch",
+        "--rates", "1", "--clients", "1", "--warmup", "1", "--duration", "600", "--frames", "4",
+        "--out", str(tmp_path / "load.json"),
+    ]
+    load = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    servers: list[psutil.Process] = []
+    try:
+        assert load.stdout is not None
+        for line in load.stdout:  # the server is ready once the first window starts
+            if "ws at 1 req/s" in line:
+                break
+        servers = [p for p in psutil.Process(load.pid).children() if "qwen3tts_agent.cli" in " ".join(p.cmdline())]
+        assert len(servers) == 1, servers
+        load.send_signal(signal.SIGTERM)
+        assert load.wait(90) == 128 + signal.SIGTERM
+        assert not psutil.pid_exists(servers[0].pid)
+    finally:
+        load.kill()
+        load.wait()
+        for server in servers:  # this test's failure must not leave a server behind either
+            if server.is_running():
+                os.killpg(server.pid, signal.SIGKILL)
