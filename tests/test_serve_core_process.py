@@ -401,6 +401,9 @@ async def test_two_workers_metrics_read_the_same_server_wide_totals_on_every_scr
                 for sample in family.samples if sample.name == "qwen3tts_engine_late_chunks_by_index"}
         assert set(late) == {"1", "2", "3", "4+"}
         assert sum(late.values()) == _sample(text, "qwen3tts_engine_late_chunks")
+        causes = {sample.labels["cause"]: sample.value for family in text_string_to_metric_families(text)
+                  for sample in family.samples if sample.name == "qwen3tts_engine_late_chunks_by_cause"}
+        assert set(causes) == {"frames", "decode"} and sum(causes.values()) == sum(late.values())
 
         # a long utterance held on each worker, then one worker SIGKILLed
         held = await _sessions_on_both_workers(process, 2, frames=2000)

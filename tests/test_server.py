@@ -393,6 +393,8 @@ async def test_health_ready_and_metrics_follow_startup(tmp_path: Path) -> None:
             late = [metric(text, "qwen3tts_engine_late_chunks_by_index", index=i) for i in ("1", "2", "3", "4+")]
             assert "qwen3tts_engine_late_chunks_by_index" in text
             assert sum(late) == metric(text, "qwen3tts_engine_late_chunks")
+            causes = [metric(text, "qwen3tts_engine_late_chunks_by_cause", cause=c) for c in ("frames", "decode")]
+            assert sum(causes) == metric(text, "qwen3tts_engine_late_chunks")
             assert metric(text, "qwen3tts_errors_total", code="not_ready") == 2
             assert (await client.get("/metrics", headers={"Authorization": "Bearer nope"})).status_code == 401
     finally:

@@ -76,7 +76,10 @@ FRAME_S = 0.08  # audio per codec frame
 UNDERRUN_S = 0.010  # a stream whose playback starved this long in all counts as an underrun
 BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this long
 # metric families kept per label set by `scrape` (the others are summed over their labels)
-LABELLED_FAMILIES = ("qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index", "qwen3tts_busy_total")
+LABELLED_FAMILIES = (
+    "qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index", "qwen3tts_engine_late_chunks_by_cause",
+    "qwen3tts_busy_total",
+)
 # streams open or waiting for a slot, in the API workers and in the engine: all 0 once the server is idle
 LIVE_GAUGES = ("qwen3tts_active_streams", "qwen3tts_queued_requests", "qwen3tts_engine_active_streams",
                "qwen3tts_engine_queued_streams")
@@ -448,7 +451,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     the mean rows per batched step (first-frame steps apart), the batched steps a second that went before the
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
-    late, by their place in their stream (the second chunk, the third, the fourth, later ones); the times late
+    late, by their place in their stream (the second chunk, the third, the fourth, later ones) and by why (their
+    frames made after they were due, or their decode late); the times late
     chunks cut the streams the engine takes on, and the seconds that limit stayed below the slots; and the `busy`
     refusals by what refused them (the server's limits, the engine's rules: `protocol.BUSY_REASONS`)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
@@ -465,6 +469,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
         "late_chunks_by_index": {name.split('index="')[1].rstrip('"}'): value for name, value in metrics.items()
                                  if name.startswith("qwen3tts_engine_late_chunks_by_index{")},
+        "late_chunks_by_cause": {name.split('cause="')[1].rstrip('"}'): value for name, value in metrics.items()
+                                 if name.startswith("qwen3tts_engine_late_chunks_by_cause{")},
         "stream_limit_cuts": metrics.get("qwen3tts_engine_stream_limit_cuts", 0.0),
         "stream_limit_seconds": metrics.get("qwen3tts_engine_stream_limit_seconds", 0.0),
         "busy_by_reason": {name.split('reason="')[1].rstrip('"}'): value for name, value in metrics.items()

@@ -60,6 +60,15 @@ class _EngineCollector(Collector):
         for index, count in stats.late_by_index.items():
             late.add_metric([index], float(count))
         yield late
+        cause = GaugeMetricFamily(
+            "qwen3tts_engine_late_chunks_by_cause",
+            "Chunks that left late, by why: frames (made after the chunk was due) or decode (made in time, the "
+            "codec lane late)",
+            labels=["cause"],
+        )
+        for name, count in stats.late_by_cause.items():
+            cause.add_metric([name], float(count))
+        yield cause
 
 
 class _HeldCollector(Collector):

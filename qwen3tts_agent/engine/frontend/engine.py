@@ -446,6 +446,7 @@ class Engine(EngineFrontend):
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
             late_by_index=dict(scheduler.load.stats.late_by_index),
+            late_by_cause=dict(scheduler.load.stats.late_by_cause),
             overloaded=refusal is not None,
             refusal_reason=refusal,
             stream_limit=int(limit.limit(now_s)) if limit is not None else self.max_streams,

@@ -116,6 +116,9 @@ class EngineStats:
     underrun_seconds: float = 0.0  # how late, summed
     # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"
     late_by_index: dict[str, int] = field(default_factory=dict)
+    # ... and by why: "frames" (its frames were made after it was due: the step pace) or "decode" (made in time,
+    # decoded or delivered late: the codec lane)
+    late_by_cause: dict[str, int] = field(default_factory=dict)
     overloaded: bool = False  # new streams are refused now: slow steps, the late-chunk limit or a slot wait
     refusal_reason: str | None = None  # ... by which rule: "slow_steps", "late_chunks" or "slot_wait"
     # streams taken on while chunks leave late (max_streams: no limit, as always without `shed_when_behind`;

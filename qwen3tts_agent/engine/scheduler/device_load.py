@@ -52,6 +52,11 @@ LATE_CHUNKS = "late_chunks"
 LATE_INDEX_KEYS = ("1", "2", "3", "4+")
 
 
+# ... and by why: "frames" when its frames were not all made (the chunk not cut) before it was due, the step pace's
+# share; "decode" when it was cut in time but its audio left late, the codec lane's (hold, queue, call, delivery).
+LATE_CAUSES = ("frames", "decode")
+
+
 def late_index_key(chunk_index: int) -> str:
     """The `late_by_index` key of a stream's chunk `chunk_index` (0 is its first, which has no deadline)."""
     return LATE_INDEX_KEYS[max(1, min(chunk_index, len(LATE_INDEX_KEYS))) - 1]
@@ -62,6 +67,7 @@ class LoadStats:
     late_chunks: int = 0
     underrun_seconds: float = 0.0
     late_by_index: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATE_INDEX_KEYS, 0))
+    late_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATE_CAUSES, 0))
 
 
 class DeviceLoad:
@@ -103,15 +109,16 @@ class DeviceLoad:
         if not self._steps:
             self._step_total = 0.0  # no rounding left over from the subtractions
 
-    def on_delivered(self, deadline: float, now: float, chunk_index: int) -> bool:
-        """A stream's chunk `chunk_index` (1 or more: the first has no deadline), due at `deadline`, left the core
-        at `now`: book it if it left late, and keep it as evidence if it left more than `shed_lateness_s` late.
-        Whether it is evidence."""
+    def on_delivered(self, deadline: float, now: float, chunk_index: int, cut_at: float) -> bool:
+        """A stream's chunk `chunk_index` (1 or more: the first has no deadline), due at `deadline` and cut (its
+        frames all made) at `cut_at`, left the core at `now`: book it if it left late, and keep it as evidence if
+        it left more than `shed_lateness_s` late. Whether it is evidence."""
         if now <= deadline:
             return False
         with self._lock:
             self.stats.late_chunks += 1
             self.stats.late_by_index[late_index_key(chunk_index)] += 1
+            self.stats.late_by_cause["frames" if cut_at >= deadline else "decode"] += 1
             self.stats.underrun_seconds += now - deadline
             if now - deadline <= self.shed_lateness_s:
                 return False

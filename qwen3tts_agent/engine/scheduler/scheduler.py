@@ -563,7 +563,7 @@ class Scheduler:
         deadline = request.deadline()
         if deadline is None:
             request.first_audio = now
-        elif self.load.on_delivered(deadline, now, plan.index) and self.load.late_chunks(now):
+        elif self.load.on_delivered(deadline, now, plan.index, plan.planned_at) and self.load.late_chunks(now):
             self.stream_limit.on_late(self.holding_streams(), now)
         request.delivered_frames = plan.frame_start + plan.n_frames
 

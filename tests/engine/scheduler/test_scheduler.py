@@ -286,6 +286,8 @@ def test_late_chunks_are_counted_and_several_are_evidence_of_load_for_a_while() 
     # the chunks after the first, one frame each, by their place: the second ("1"), the third, the fourth, later
     places = ["1", "2", "3", *["4+"] * LATE_CHUNKS_TO_SHED][:LATE_CHUNKS_TO_SHED]
     assert scheduler.load.stats.late_by_index == {key: places.count(key) for key in ("1", "2", "3", "4+")}
+    # each was cut (its frame made) before it was due: the decode, not the frames, came late
+    assert scheduler.load.stats.late_by_cause == {"frames": 0, "decode": LATE_CHUNKS_TO_SHED}
     # chunk k is due k frames after the first and left k * 30 ms after that
     assert scheduler.load.stats.underrun_seconds == pytest.approx(sum(k * late for k in range(1, LATE_CHUNKS_TO_SHED + 1)))
     now = 1.0 + LATE_CHUNKS_TO_SHED * (FRAME_SECONDS + late)
@@ -411,7 +413,7 @@ def test_one_long_step_counts_for_the_step_window_and_then_not_at_all_whether_st
 def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries() -> None:
     load = DeviceLoad()
     for i in range(LATE_CHUNKS_TO_SHED):
-        load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i, chunk_index=4 + i)  # the stream's chunks left late
+        load.on_delivered(deadline=10.0, now=10.1 + 0.01 * i, chunk_index=4 + i, cut_at=9.9)  # left late
     last = 10.1 + 0.01 * (LATE_CHUNKS_TO_SHED - 1)
     assert load.late_chunks(last) and load.first_frames_paused(last)
     assert not load.late_chunks(last + LATE_WINDOW_S + 0.001)  # nothing delivered since: it fades all the same
@@ -420,18 +422,35 @@ def test_late_chunks_and_the_first_frame_pause_fade_in_time_without_deliveries()
     assert load.stats.late_chunks == LATE_CHUNKS_TO_SHED  # the counters keep every late chunk
 
 
+def test_a_late_chunk_is_booked_to_its_frames_when_they_were_made_after_it_was_due() -> None:
+    """Why a chunk left late: its frames came after its deadline (the step pace) or it was cut in time and its
+    decode or delivery came late (the codec lane)."""
+    scheduler = make_scheduler()
+    r = make_request("r", schedule=(1,), max_frames=None)
+    start(scheduler, r, list(range(20)))
+    [first] = step(scheduler, 0.0)
+    scheduler.on_delivered(first, now=1.0)  # the second chunk is due at 1.08
+    for k in (1, 2):  # the second and third chunks' frames made 5 ms after each was due
+        [cut_late] = step(scheduler, 1.0 + k * FRAME_SECONDS + 0.005)
+        scheduler.on_delivered(cut_late, now=1.0 + k * FRAME_SECONDS + 0.006)
+    [cut_in_time] = step(scheduler, 1.0 + 3 * FRAME_SECONDS - 0.02)  # the fourth's frame 20 ms before it is due
+    scheduler.on_delivered(cut_in_time, now=1.0 + 3 * FRAME_SECONDS + 0.004)  # decoded 4 ms past its deadline
+    assert scheduler.load.stats.late_chunks == 3
+    assert scheduler.load.stats.late_by_cause == {"frames": 2, "decode": 1}
+
+
 def test_chunks_late_within_the_shedding_tolerance_are_counted_but_refuse_nothing() -> None:
     """`shed_lateness_s`: chunks a few ms late are booked (stats, metrics) but are no evidence of load; the same
     number later than the tolerance refuse new streams and pause the first-frame slots as before."""
     load = DeviceLoad(shed_lateness_s=0.02)
     for i in range(2 * LATE_CHUNKS_TO_SHED):
-        load.on_delivered(deadline=10.0 + 0.01 * i, now=10.019 + 0.01 * i, chunk_index=1)  # 19 ms late each
+        load.on_delivered(deadline=10.0 + 0.01 * i, now=10.019 + 0.01 * i, chunk_index=1, cut_at=9.9)  # 19 ms late
     assert load.stats.late_chunks == 2 * LATE_CHUNKS_TO_SHED and load.stats.late_by_index["1"] == 2 * LATE_CHUNKS_TO_SHED
     assert load.stats.underrun_seconds == pytest.approx(2 * LATE_CHUNKS_TO_SHED * 0.019)
     now = 10.02 + 0.01 * (2 * LATE_CHUNKS_TO_SHED)
     assert not load.late_chunks(now) and not load.first_frames_paused(now)
     for i in range(LATE_CHUNKS_TO_SHED):
-        load.on_delivered(deadline=11.0, now=11.021 + 0.001 * i, chunk_index=2)  # 21 ms late and more
+        load.on_delivered(deadline=11.0, now=11.021 + 0.001 * i, chunk_index=2, cut_at=10.9)  # 21 ms late +
     assert load.late_chunks(11.03) and load.first_frames_paused(11.03)
     assert load.stats.late_chunks == 3 * LATE_CHUNKS_TO_SHED
     with pytest.raises(ValueError, match="shed_lateness_s"):
