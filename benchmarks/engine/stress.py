@@ -136,6 +136,7 @@ def report(engine: Engine, args: argparse.Namespace, out: Outcomes, seconds: flo
         "first_audio_ms": {"p50": pct(audio_ms, 50), "p95": pct(audio_ms, 95)},
         "engine": {"healthy": stats.healthy, "restarts": stats.restarts, "errors": stats.errors,
                    "late_chunks": stats.late_chunks, "late_by_index": stats.late_by_index,
+                   "late_by_cause": stats.late_by_cause,
                    "steps": stats.steps, "frames_generated": stats.frames_generated},
         "ok": not out.errors and not out.hung and stats.errors == 0 and stats.restarts == 0 and stats.healthy,
     }
