@@ -452,9 +452,9 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
     late, by their place in their stream (the second chunk, the third, the fourth, later ones) and by why (their
-    frames made after they were due, or their decode late); the times late
-    chunks cut the streams the engine takes on, and the seconds that limit stayed below the slots; and the `busy`
-    refusals by what refused them (the server's limits, the engine's rules: `protocol.BUSY_REASONS`)."""
+    frames made after they were due, or their decode late); the times late chunks cut the streams the engine takes
+    on, and the seconds that limit stayed below the slots; and the `busy` refusals by what refused them (the
+    server's limits, the engine's rules: `protocol.BUSY_REASONS`)."""
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
