@@ -12,7 +12,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from qwen3tts_agent.server.workers import METRICS_DIR_ENV, Held, WorkerGroup
+from qwen3tts_agent.server.workers import (
+    METRICS_DIR_ENV,
+    STALE_GROUP_AGE_S,
+    Held,
+    WorkerGroup,
+    remove_stale_groups,
+)
 
 MEMBERS = 4
 CHURN_LIMIT = 2  # below the members: they contend for it all the time
@@ -96,3 +102,72 @@ def test_workers_never_admit_past_a_shared_limit_and_a_killed_ones_share_drops_o
             process.join(10)
         group.remove()
     assert not group.directory.exists()
+
+
+def _supervisor(parent: str, conn: Connection) -> None:
+    """A supervisor that makes its group and waits to be killed (it never removes the folder)."""
+    conn.send(str(WorkerGroup.create(2, parent=Path(parent)).directory))
+    conn.recv()
+
+
+def _worker(directory: str, conn: Connection) -> None:
+    """A worker of that group that outlives its supervisor."""
+    WorkerGroup(Path(directory), 2).join()
+    conn.send("joined")
+    conn.recv()
+
+
+def test_a_killed_supervisors_group_folder_is_removed_once_no_process_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve` removes its group folder as it ends; killed outright it cannot, and the next one removes the
+    folders that neither a supervisor nor a worker holds any more, if old enough to be more than being made."""
+    context = multiprocessing.get_context("spawn")
+    processes: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+
+    def spawn(target: object, arg: str) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+        ours, theirs = context.Pipe()
+        process = context.Process(target=target, args=(arg, theirs), daemon=True)
+        process.start()
+        processes.append((process, ours))  # kept open: a closed end would let the process return
+        return process, ours
+
+    def kill(process: multiprocessing.process.BaseProcess) -> None:
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
+
+    try:
+        dead_supervisor, conn = spawn(_supervisor, str(tmp_path))
+        assert conn.poll(60)
+        dead = Path(conn.recv())
+        orphaned_supervisor, conn = spawn(_supervisor, str(tmp_path))
+        assert conn.poll(60)
+        orphaned = Path(conn.recv())
+        monkeypatch.setenv(METRICS_DIR_ENV, str(orphaned / "metrics"))
+        worker, conn = spawn(_worker, str(orphaned))
+        assert conn.poll(60) and conn.recv() == "joined"
+        kill(dead_supervisor)
+        kill(orphaned_supervisor)  # its worker lives on
+        live = WorkerGroup.create(2, parent=tmp_path)  # this process's, held
+        young_dead = tmp_path / "qwen3tts-workers-young"
+        young_dead.mkdir()
+        (young_dead / "alive").touch()
+        foreign = tmp_path / "qwen3tts-workers-foreign"  # no `alive`: not a group this package made
+        foreign.mkdir()
+        old = os.stat(dead).st_mtime - STALE_GROUP_AGE_S - 1
+        for folder in (dead, orphaned, live.directory, foreign):
+            os.utime(folder, (old, old))
+
+        assert remove_stale_groups(tmp_path) == [dead]
+        assert not dead.exists() and orphaned.exists() and live.directory.exists()
+        assert young_dead.exists() and foreign.exists()
+        kill(worker)  # the orphaned group's last process
+        os.utime(orphaned, (old, old))
+        assert remove_stale_groups(tmp_path) == [orphaned]
+        live.remove()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3tts-workers-foreign", "qwen3tts-workers-young"]
+    finally:
+        for process, _ in processes:
+            process.kill()
+            process.join(10)

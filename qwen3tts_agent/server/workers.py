@@ -10,7 +10,10 @@ worker. The supervisor therefore makes a private temporary folder (`WorkerGroup.
 - `cells/<pid>`: per live worker, what it holds against the server-wide limits (`Held`: WebSocket sessions,
   utterances waiting for a synthesis slot);
 - `lock`: taken (flock) around each check-and-increment of those counts, so N workers never admit past a
-  limit between them.
+  limit between them;
+- `alive`: share-locked (flock) by the supervisor and by every worker for as long as each lives. The supervisor
+  removes the folder when `serve` ends; one killed outright (SIGKILL, the OOM killer) cannot, so the next `serve`
+  removes every group folder of over `STALE_GROUP_AGE_S` whose `alive` nobody holds (`remove_stale_groups`).
 
 A worker holds a shared flock on its own cell for as long as it lives. The kernel drops that lock however the
 process ends, SIGKILL included, so a cell that nobody holds belongs to a dead worker: whoever sums the cells
@@ -23,6 +26,7 @@ POSIX only (flock), as is the engine core's ZeroMQ ipc socket that `serve --work
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import os
@@ -30,6 +34,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +43,10 @@ from typing import Protocol
 from prometheus_client.multiprocess import mark_process_dead
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is first imported
+GROUP_PREFIX = "qwen3tts-workers-"
+ALIVE_FILE = "alive"
+# A group folder nobody holds is removed by the next `serve` once it is this old (younger: it may be being made).
+STALE_GROUP_AGE_S = 60.0
 
 
 class Held(enum.IntEnum):
@@ -91,18 +100,26 @@ class WorkerGroup:
     def __init__(self, directory: Path, size: int) -> None:
         self.directory = directory
         self.size = size
+        self._alive_fd: int | None = None  # the supervisor's hold on `alive` (`create`)
 
     @classmethod
-    def create(cls, size: int) -> WorkerGroup:
-        """A fresh private folder (mode 0700) under the system's temporary directory."""
-        group = cls(Path(tempfile.mkdtemp(prefix="qwen3tts-workers-")), size)
+    def create(cls, size: int, parent: Path | None = None) -> WorkerGroup:
+        """A fresh private folder (mode 0700) under `parent` (default: the system's temporary directory), held
+        alive by this process until `remove`; first the folders there of groups whose processes have all gone."""
+        parent = parent or Path(tempfile.gettempdir())
+        remove_stale_groups(parent)
+        group = cls(Path(tempfile.mkdtemp(prefix=GROUP_PREFIX, dir=parent)), size)
         group.metrics_dir.mkdir()
         group.cells_dir.mkdir()
         group.lock_file.touch(0o600)
+        group._alive_fd = _hold_alive(group.alive_file)
         return group
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._alive_fd is not None:
+            os.close(self._alive_fd)
+            self._alive_fd = None
 
     @property
     def metrics_dir(self) -> Path:
@@ -116,12 +133,46 @@ class WorkerGroup:
     def lock_file(self) -> Path:
         return self.directory / "lock"
 
+    @property
+    def alive_file(self) -> Path:
+        return self.directory / ALIVE_FILE
+
     def join(self) -> WorkerCell:
         """This process's membership, for its life. Call before any metric is made: a process that reuses a
         dead worker's pid must not inherit that worker's live gauges."""
         if os.environ.get(METRICS_DIR_ENV) != str(self.metrics_dir):
             raise RuntimeError(f"{METRICS_DIR_ENV} must be {self.metrics_dir} before prometheus_client is imported")
         return WorkerCell(self)
+
+
+def _hold_alive(path: Path) -> int:
+    """Open (or make) a group's `alive` file and share-lock it: the lock lasts as long as the file stays open or
+    its process lives, however the process ends."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_stale_groups(parent: Path) -> list[Path]:
+    """Remove the group folders in `parent` that no process holds alive any more (left by a supervisor killed
+    outright, its workers gone too), over STALE_GROUP_AGE_S old; return them. A folder without an `alive` file
+    (half made, or not made by this package) is left alone."""
+    removed = []
+    for path in parent.glob(f"{GROUP_PREFIX}*"):
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to open
+            if time.time() - path.lstat().st_mtime < STALE_GROUP_AGE_S:
+                continue
+            fd = os.open(path / ALIVE_FILE, os.O_RDONLY)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a supervisor or a worker holds it: alive
+                    continue
+                shutil.rmtree(path)
+                removed.append(path)
+            finally:
+                os.close(fd)
+    return removed
 
 
 class WorkerCell:
@@ -133,6 +184,7 @@ class WorkerCell:
         self._values = [0] * len(Held)
         self._thread_lock = threading.Lock()  # flock is per open file: it does not keep this process's threads apart
         self._lock_fd = os.open(group.lock_file, os.O_RDWR)
+        self._alive_fd = _hold_alive(group.alive_file)  # for as long as this process lives
         with self._locked():
             mark_process_dead(self.pid, str(group.metrics_dir))  # a dead worker's, should this pid be reused
             pending = group.cells_dir / f".{self.pid}.new"
