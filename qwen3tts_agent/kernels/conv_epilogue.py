@@ -155,8 +155,8 @@ class ConvEpilogue:
         """Write activation(raw + bias (+ residual)) into `out`, e.g. the chunk's part of the next convolution's
         input. `raw`: the convolution's output without its bias; `raw`, `out` and `residual` [B, C, T] of one shape,
         each with any strides (a slice in time is fine), fastest where channels or time steps are contiguous.
-        Returns the sum before the activation when `keep_sum`: dense, in `raw`'s layout (channels or time steps contiguous), as
-        the next residual unit reads it beside its own convolution's output. Else None."""
+        Returns the sum before the activation when `keep_sum`: dense, in `raw`'s layout (channels or time steps
+        contiguous), as the next residual unit reads it beside its own convolution's output. Else None."""
         batch, channels, length = raw.shape
         if out.shape != raw.shape:
             raise ValueError(f"raw {tuple(raw.shape)} and out {tuple(out.shape)} need one shape")

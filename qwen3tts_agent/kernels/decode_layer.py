@@ -394,8 +394,7 @@ def decode_layer(
     Attention is one launch per token index over strided views; token i reads the keys that the launches of
     tokens < i wrote, which stream order makes visible.
     """
-    out, pending = _layer(layer, x, None, cos, sin, cache_k, cache_v, write_pos, read_len, masked)
-    return out if pending is None else out + pending
+    return decode_layers([layer], [cache_k], [cache_v], x, cos, sin, write_pos, read_len, masked=masked)
 
 
 def decode_layers(

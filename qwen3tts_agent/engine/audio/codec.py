@@ -228,11 +228,11 @@ class StreamingCodecDecoder:
             self._output = conv_epilogue.OutputConv(self._last_conv.conv)
             self._channels_last = {stage.conv: channels_last_weight(stage.conv.conv) for stage in self._stages}
             self._phase_split |= self._splittable(self._channels_last, CHANNELS_LAST_PHASE_SPLIT_MIN_DILATION)
-            for stage in self._stages[1:]:  # the first one's input comes from the upsampler, time contiguous
-                history = self._convs[stage.conv].buffer
-                self._convs[stage.conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
-            history = self._convs[self._last_conv].buffer
-            self._convs[self._last_conv] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
+            # the histories of the convolutions whose inputs the epilogues write, channels contiguous (the first
+            # stage's input comes from the upsampler, time contiguous)
+            for module in [*(stage.conv for stage in self._stages[1:]), self._last_conv]:
+                history = self._convs[module].buffer
+                self._convs[module] = SlotHistory(history.transpose(1, 2).contiguous().transpose(1, 2), dim=-1)
         self.audio_path = "triton" if self._epilogues else f"pytorch ({audio_support.reason or 'fused audio off'})"
 
     @staticmethod
