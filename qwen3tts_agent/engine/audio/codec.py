@@ -132,16 +132,25 @@ def channels_last_conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, we
 
 
 def channels_last_phase_split_conv(conv: nn.Conv1d, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`phase_split_conv` without the bias on channels-contiguous operands (`channels_last_conv`): the phases are
-    gathered, and their outputs interleaved, in that layout, with as many copies as the time-contiguous form."""
+    """`phase_split_conv` without the bias on channels-contiguous operands (`channels_last_conv`), with no copy
+    but the padding of time to whole phases (none where the outputs are a multiple of the dilation).
+
+    Stored channels-last, `x` [B, C, T] is [B, T, C]; time padded to `steps` × d and read as [B, steps, d, C],
+    it is a 2-D input [B, C, steps, d] in the channels-last layout whose width is the d phases. A (k, 1) kernel
+    over it is the undilated convolution of every phase at once, and its output [B, out, steps - k + 1, d],
+    channels-last too, is the outputs [B, T', out] already interleaved in time. (The form this replaces moved the
+    phases into the batch and back: three copies of each operand.)"""
     d, k = conv.dilation[0], conv.kernel_size[0]
     batch, channels, length = x.shape
     out_len = length - (k - 1) * d
     steps = -(-out_len // d) + k - 1
-    phases = F.pad(x.transpose(1, 2), (0, 0, 0, d * steps - length)).view(batch, steps, d, channels)
-    phases = phases.transpose(1, 2).reshape(batch * d, steps, channels).transpose(1, 2)  # [batch * d, C, steps]
-    y = F.conv2d(phases.unsqueeze(2), weight).squeeze(2).transpose(1, 2)  # [batch * d, steps - k + 1, out] dense
-    y = y.view(batch, d, y.shape[1], y.shape[2]).transpose(1, 2).reshape(batch, -1, y.shape[2])
+    rows = x.transpose(1, 2)  # [B, T, C], a view of the channels-last storage
+    if d * steps != length:
+        rows = F.pad(rows, (0, 0, 0, d * steps - length))
+    grid = rows.reshape(batch, steps, d, channels).permute(0, 3, 1, 2)  # [B, C, steps, d], channels-last strides
+    # `weight` [out, C, 1, k] channels-last is stored as [out, k, C], as is its (k, 1) form
+    y = F.conv2d(grid, weight.permute(0, 1, 3, 2))  # [B, out, steps - k + 1, d]
+    y = y.permute(0, 2, 3, 1).reshape(batch, -1, y.shape[1])  # [B, T' rounded up to whole phases, out]
     return y[:, :out_len].transpose(1, 2)
 
 

@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwen3tts_agent.engine.audio.codec import (
     StreamingCodecDecoder,
@@ -249,6 +250,31 @@ def test_phase_split_conv_equals_the_dilated_conv(channels: int, out: int, kerne
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
     assert unbiased.shape == expected.shape and unbiased.stride(1) == 1
     assert torch.allclose(unbiased + conv.bias[:, None], expected, rtol=0, atol=1e-12)
+
+
+class _AtenOps(TorchDispatchMode):
+    """The names of the ATen ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("length", "pads"), [(6 * 9 + 36, False), (6 * 9 + 40, True)], ids=["whole", "padded"])
+def test_the_channels_last_phase_split_copies_nothing_but_its_padding(length: int, pads: bool) -> None:
+    """The phases are a view of the channels-last input and the interleaved outputs a view of the convolution's:
+    no op copies an operand but the padding of time to whole phases, and none where the outputs fill them."""
+    conv = torch.nn.Conv1d(8, 8, 7, dilation=9)
+    x = torch.randn(2, length, 8).transpose(1, 2)  # [B, C, T] stored as [B, T, C]
+    weight = channels_last_weight(conv)
+    with torch.no_grad(), _AtenOps() as ops:
+        channels_last_phase_split_conv(conv, x, weight)
+    copies = [name for name in ops.names if name in ("clone", "copy_", "_to_copy", "contiguous", "constant_pad_nd")]
+    assert copies == (["constant_pad_nd"] if pads else []), ops.names
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
