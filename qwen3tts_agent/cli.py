@@ -111,6 +111,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     p.add_argument("--max-streams", default="auto",
                    help="engine stream slots, as `serve` will be given them (the GPU kernels compiled depend on it)")
+    p.add_argument("--max-seq-len", type=int,
+                   help="positions a stream slot holds, as `serve --max-seq-len` will be given them (likewise)")
     p.set_defaults(func=_prepare)
 
 
@@ -125,7 +127,10 @@ def _prepare(args: argparse.Namespace) -> int:
 
     max_streams: int | str = "auto" if args.max_streams == "auto" else int(args.max_streams)
     started = time.perf_counter()
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_streams=max_streams)
+    sized = {} if args.max_seq_len is None else {"max_seq_len": args.max_seq_len}
+    engine = Engine.load(
+        args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_streams=max_streams, **sized
+    )
     loaded = time.perf_counter()
     try:
         engine.warmup()

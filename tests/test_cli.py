@@ -93,7 +93,7 @@ def test_serve_without_the_server_extra_says_how_to_install_it() -> None:
 
 def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
     """`--codec-hold-ms`, `--step-period-ms`, `--first-frame-step-load`, `--clock-first-frame-load`,
-    `--shed-lateness-ms` and `--chunk-schedule` reach the Engine's keywords, in its units; a negative value or a malformed schedule is
+    `--shed-lateness-ms`, `--max-seq-len` and `--chunk-schedule` reach the Engine's keywords, in its units; a negative value or a malformed schedule is
     a clear error, and options left out keep the engine's defaults."""
     import argparse
 
@@ -107,12 +107,12 @@ def test_serve_passes_its_engine_scheduling_options_to_the_engine() -> None:
 
     assert options() == {"max_streams": 16, "backend": "auto"}
     assert options("--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0",
-                   "--clock-first-frame-load", "64", "--shed-lateness-ms", "20") == {
+                   "--clock-first-frame-load", "64", "--shed-lateness-ms", "20", "--max-seq-len", "512") == {
         "max_streams": 16, "backend": "auto", "codec_hold_s": 0.03, "step_period_s": 0.015, "first_frame_step_load": 0,
-        "clock_first_frame_load": 64, "shed_lateness_s": 0.02,
+        "clock_first_frame_load": 64, "shed_lateness_s": 0.02, "max_seq_len": 512,
     }
     for flag in ("--codec-hold-ms", "--step-period-ms", "--first-frame-step-load", "--clock-first-frame-load",
-                 "--shed-lateness-ms"):
+                 "--shed-lateness-ms", "--max-seq-len"):
         with pytest.raises(ValueError, match=flag):
             options(flag, "-1")
     assert options("--chunk-schedule", "1,1,2,4,8")["chunk_schedule"] == (1, 1, 2, 4, 8)

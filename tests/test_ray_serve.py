@@ -635,12 +635,13 @@ def test_serve_ray_passes_serves_scheduling_options_to_every_replicas_engine(cap
     from qwen3tts_agent.cli import main
 
     options = ["--codec-hold-ms", "30", "--step-period-ms", "15", "--first-frame-step-load", "0",
-               "--clock-first-frame-load", "64", "--shed-lateness-ms", "20", "--chunk-schedule", "1,1,2,4,8"]
+               "--clock-first-frame-load", "64", "--shed-lateness-ms", "20", "--chunk-schedule", "1,1,2,4,8",
+               "--max-seq-len", "512"]
     assert main(["serve-ray", "--model", "synthetic:tiny", "--num-gpus", "0.5", *options, "--print-config"]) == 0
     settings = RayServeSettings.from_dict(yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"])
     assert settings.engine_kwargs() == {
         "max_streams": "auto", "backend": "auto", "device_share": 0.5, "codec_hold_s": 0.03, "step_period_s": 0.015,
-        "first_frame_step_load": 0, "clock_first_frame_load": 64, "shed_lateness_s": 0.02,
+        "first_frame_step_load": 0, "clock_first_frame_load": 64, "shed_lateness_s": 0.02, "max_seq_len": 512,
         "chunk_schedule": (1, 1, 2, 4, 8),
     }
     assert RayServeSettings(model="m").engine_kwargs() == {"max_streams": "auto", "backend": "auto"}

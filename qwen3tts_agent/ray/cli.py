@@ -106,6 +106,7 @@ def settings_from_args(args: argparse.Namespace) -> RayServeSettings:
         first_frame_step_load=args.first_frame_step_load,
         clock_first_frame_load=args.clock_first_frame_load,
         shed_lateness_ms=args.shed_lateness_ms,
+        max_seq_len=args.max_seq_len,
         chunk_schedule=args.chunk_schedule,
         engine_core=args.engine_core,
         torch_threads=args.torch_threads,

@@ -31,7 +31,8 @@ class RayServeSettings:
             the Triton kernels on a GPU; docs/cpu-backend.md).
         codec_hold_ms, step_period_ms, first_frame_step_load, clock_first_frame_load, shed_lateness_ms,
             chunk_schedule: the engine's scheduling, as `serve`'s options of those names (`--codec-hold-ms` and
-            so on; docs/server.md); None: the engine's default.
+            so on; docs/server.md); None: the engine's default. max_seq_len: positions a stream slot holds, as
+            `serve --max-seq-len`; None: the engine's default.
         engine_core: "thread": the engine's step loop on a thread of the replica's process; "process": in
             a child process of the replica (`engine/process/supervisor.py`), so the step loop shares no interpreter lock
             with the replica's HTTP/WebSocket handling.
@@ -74,6 +75,7 @@ class RayServeSettings:
     first_frame_step_load: int | None = None
     clock_first_frame_load: int | None = None
     shed_lateness_ms: float | None = None
+    max_seq_len: int | None = None
     chunk_schedule: tuple[int, ...] | None = None
     engine_core: str = "thread"
     torch_threads: int | None = None

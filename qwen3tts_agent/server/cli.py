@@ -92,6 +92,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", default="auto",
                    help="engine stream slots (rows of the batched step); 'auto': what the device holds "
                    "(up to 256 on a GPU, by free memory; 16 on the CPU)")
+    p.add_argument("--max-seq-len", type=int,
+                   help="positions a stream slot holds: its prompt and its audio frames (default 2048); each slot's "
+                   "KV cache is sized by it, so fewer positions fit more slots in the device's memory (an utterance "
+                   "ends where its slot's positions run out); docs/server.md")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "int8", "int4", "fp32"),
                    help="model maths: auto (int8 ONNX Runtime graphs on a CPU, PyTorch + Triton on a GPU), torch, "
                    "int8, int4 (4-bit weights: faster, coarser), fp32; see docs/cpu-backend.md")

@@ -13,7 +13,7 @@ from typing import Any
 # and `serve-ray`'s (ray/settings.py).
 MAX_CHUNK_FRAMES = 64
 MAX_SCHEDULE_CHUNKS = 8
-# The engine's scheduling options `serve` and `serve-ray` share, by name (a `RayServeSettings` field; on the
+# The engine's scheduling options (and its positions a stream) `serve` and `serve-ray` share, by name (a `RayServeSettings` field; on the
 # command line `--codec-hold-ms` and so on): the `Engine` keyword each sets, and what to divide by for its units
 # (1000: milliseconds to seconds; None: a count, as given). `chunk_schedule` is the one more (`check_chunk_schedule`).
 ENGINE_TUNING: dict[str, tuple[str, int | None]] = {
@@ -22,6 +22,7 @@ ENGINE_TUNING: dict[str, tuple[str, int | None]] = {
     "first_frame_step_load": ("first_frame_step_load", None),
     "clock_first_frame_load": ("clock_first_frame_load", None),
     "shed_lateness_ms": ("shed_lateness_s", 1000),
+    "max_seq_len": ("max_seq_len", None),
 }
 
 

@@ -69,6 +69,7 @@ from ..runner import (
 from ..scheduler import ChunkPlan, PromptShape, RequestState, Scheduler, StepPacer
 from ..types import ChunkTimings, FinishReason, SamplingParams
 from .config import CoreConfig, CoreStats
+from .late_trace import LateChunkTrace
 from .launcher import StepLauncher
 from .prompt_lane import PromptLane
 
@@ -149,9 +150,10 @@ class EngineCore:
         )
         self._messages: queue.SimpleQueue[CoreRequest | _Control] = queue.SimpleQueue()
         self.loop_seconds: dict[str, float] = dict.fromkeys(("prompts", "launch", "collect", "deliver", "wait"), 0.0)
+        self._late_trace = LateChunkTrace()  # each late chunk's story in the log (engine/core/late_trace.py)
         self.launcher = StepLauncher(
             self.scheduler, self.runner, self.steps, self.pacer, self.audio, self.stats, self._sampling,
-            first_audio_alone=config.first_audio_alone,
+            self._late_trace, first_audio_alone=config.first_audio_alone,
         )
         self._failures = 0
         self._stopping = False
@@ -355,7 +357,9 @@ class EngineCore:
     def _deliver_chunk(self, plan: ChunkPlan, pcm: np.ndarray) -> None:
         request = plan.request
         now = time.perf_counter()
-        self.scheduler.on_delivered(plan, now)
+        late = self.scheduler.on_delivered(plan, now)
+        if late is not None:
+            self._late_trace.on_late(late)
         self.launcher.replan()
         timings = ChunkTimings(
             request.submitted, request.prefill_done, request.first_frame, now, request.admitted_at, request.arrived

@@ -23,6 +23,7 @@ from ..runner import FrameSteps, ModelRunner
 from ..scheduler import RequestState, Scheduler, StepPacer, step_timing
 from ..types import SamplingParams
 from .config import CoreStats
+from .late_trace import LateChunkTrace
 
 # Audio due within this long counts as urgent: a step whose streams are all well ahead of their playback waits
 # for it (see `step_timing.steps_can_wait`), so the codec lane gets the device before listeners starve.
@@ -36,9 +37,11 @@ class StepLauncher:
 
     def __init__(
         self, scheduler: Scheduler, runner: ModelRunner, steps: FrameSteps, pacer: StepPacer, audio: AudioPipeline,
-        stats: CoreStats, sampling: Mapping[str, SamplingParams], *, first_audio_alone: bool = False,
+        stats: CoreStats, sampling: Mapping[str, SamplingParams], trace: LateChunkTrace, *,
+        first_audio_alone: bool = False,
     ) -> None:
-        """`sampling`: each live request's sampling parameters, by request id (the core keeps it).
+        """`sampling`: each live request's sampling parameters, by request id (the core keeps it). `trace`: where
+        each step queued and read back is noted, for the late chunks' log lines.
         `first_audio_alone`: a step waits while a new stream's first frame runs and its first chunk decodes at
         any load, not only when paced (`CoreConfig.first_audio_alone`)."""
         self.scheduler = scheduler
@@ -48,6 +51,7 @@ class StepLauncher:
         self.audio = audio
         self.stats = stats
         self._sampling = sampling
+        self._trace = trace
         self._first_audio_alone = first_audio_alone
         self._release: float | None = None  # until when a held step may wait (Scheduler.pace_release)
         self._early_release: float | None = None  # ... and while new streams step alone (Scheduler.early_release)
@@ -68,6 +72,7 @@ class StepLauncher:
             self.pacer.completed(gpu_seconds)
             out = step.host.numpy()
             now = time.perf_counter()
+            self._trace.read(step.seq, now, gpu_seconds)
             if gpu_seconds is not None and step.batched:
                 self.scheduler.load.record_step_time(gpu_seconds, now)
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
@@ -171,6 +176,7 @@ class StepLauncher:
         step = self.steps.queue(
             self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
         )
+        self._trace.queued(step.seq, (r.request_id for r in rows), now, batched=batched)
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
             ended = time.perf_counter()
             self.scheduler.load.record_step_time(ended - now, ended)

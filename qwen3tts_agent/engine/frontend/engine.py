@@ -126,20 +126,25 @@ def auto_max_streams(model: OfficialModule, max_seq_len: int, device_share: floa
 
 
 def check_slots_fit(model: OfficialModule, max_streams: int, max_seq_len: int, device_share: float) -> None:
-    """Refuse, with the figures, `max_streams` slots that do not fit in `AUTO_MEMORY_FRACTION` of the memory this
-    engine may take (the rest is for its graphs and work space, as with "auto"): an out-of-memory error in the
-    middle of the start-up says nothing of why or what would fit."""
+    """Refuse `max_streams` slots that do not fit this engine's device (`slots_fit`); nothing on a CPU."""
     device = next(model.talker.parameters()).device
     if device.type != "cuda":
         return
-    per_slot = slot_bytes(model, max_seq_len)
-    memory, source = slot_memory(device, device_share)
+    slots_fit(max_streams, slot_bytes(model, max_seq_len), *slot_memory(device, device_share))
+
+
+def slots_fit(max_streams: int, per_slot: int, memory: int, source: str) -> None:
+    """Refuse, with the figures, `max_streams` slots of `per_slot` bytes that do not fit in `AUTO_MEMORY_FRACTION`
+    of the `memory` this engine may take (the rest is for its graphs and work space, as with "auto"; `source`
+    says how `memory` was decided): an out-of-memory error in the middle of the start-up says nothing of why or
+    what would fit."""
     budget = memory * AUTO_MEMORY_FRACTION
     if max_streams * per_slot > budget:
         raise ValueError(
             f"{max_streams} stream slots need {max_streams * per_slot / 2**30:.1f} GiB ({per_slot / 2**20:.0f} MiB "
             f"each), more than {AUTO_MEMORY_FRACTION:.0%} of the {memory / 2**30:.1f} GiB this engine may take "
-            f"({source}): use at most {int(budget // per_slot)} slots, or max_streams 'auto'"
+            f"({source}): use at most {int(budget // per_slot)} slots, fewer positions a stream (max_seq_len), "
+            "or max_streams 'auto'"
         )
 
 
@@ -237,11 +242,13 @@ class Engine(EngineFrontend):
         self.backend = resolve_backend(backend, self.device)
         if not 0.0 < device_share <= 1.0:
             raise ValueError(f"device_share must be in (0, 1], got {device_share!r}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive number of positions, got {max_seq_len!r}")
         if max_streams == "auto":
             max_streams = auto_max_streams(model, max_seq_len, device_share)
-        if not isinstance(max_streams, int) or max_streams < 1:
+        elif not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be a positive number or 'auto', got {max_streams!r}")
-        if device_share < 1.0:
+        else:
             check_slots_fit(model, max_streams, max_seq_len, device_share)
         self._config = CoreConfig(
             max_streams=max_streams, max_seq_len=max_seq_len, backend=self.backend, chunk_schedule=tuple(chunk_schedule),

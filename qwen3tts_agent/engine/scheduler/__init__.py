@@ -9,6 +9,7 @@ answers with plans, so its tests drive it with made-up step outputs. Changes her
 
 from . import step_timing
 from .codec_queue import CodecQueue
+from .device_load import LateChunk
 from .pacer import StepPacer
 from .requests import ChunkPlan, PrefillPlan, PromptShape, RequestState
 from .scheduler import Scheduler
@@ -16,6 +17,7 @@ from .scheduler import Scheduler
 __all__ = [
     "ChunkPlan",
     "CodecQueue",
+    "LateChunk",
     "PrefillPlan",
     "PromptShape",
     "RequestState",

@@ -27,6 +27,7 @@ import collections
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .requests import FRAME_SECONDS
 
@@ -55,6 +56,28 @@ LATE_INDEX_KEYS = ("1", "2", "3", "4+")
 # ... and by why: "frames" when its frames were not all made (the chunk not cut) before it was due, the step pace's
 # share; "decode" when it was cut in time but its audio left late, the codec lane's (hold, queue, call, delivery).
 LATE_CAUSES = ("frames", "decode")
+
+
+def late_cause(due: float, cut_at: float) -> str:
+    """A late chunk's `LATE_CAUSES` key: "frames" when it was cut (its frames all made) at or after it was due."""
+    return "frames" if cut_at >= due else "decode"
+
+
+class LateChunk(NamedTuple):
+    """A chunk that left after its listener needed it (`Scheduler.on_delivered`; the core logs its story:
+    `engine/core/late_trace.py`). Times are `time.perf_counter()`."""
+
+    request_id: str
+    chunk_index: int  # its place in its stream (1: the second chunk)
+    frames: int
+    first_audio: float
+    due: float
+    cut_at: float  # when its frames were all made and it went to the codec lane
+    left_at: float
+
+    @property
+    def cause(self) -> str:
+        return late_cause(self.due, self.cut_at)
 
 
 def late_index_key(chunk_index: int) -> str:
@@ -118,7 +141,7 @@ class DeviceLoad:
         with self._lock:
             self.stats.late_chunks += 1
             self.stats.late_by_index[late_index_key(chunk_index)] += 1
-            self.stats.late_by_cause["frames" if cut_at >= deadline else "decode"] += 1
+            self.stats.late_by_cause[late_cause(deadline, cut_at)] += 1
             self.stats.underrun_seconds += now - deadline
             if now - deadline <= self.shed_lateness_s:
                 return False

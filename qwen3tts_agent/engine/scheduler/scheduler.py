@@ -57,7 +57,7 @@ import numpy as np
 
 from ..types import FIRST_FRAME_TEXT_TOKENS, FinishReason
 from . import step_timing
-from .device_load import LATE_CHUNKS, SLOW_STEPS, DeviceLoad
+from .device_load import LATE_CHUNKS, SLOW_STEPS, DeviceLoad, LateChunk
 from .requests import ChunkPlan, PrefillPlan, RequestState, cut_chunk, urgency
 from .slots import SlotPool
 from .step_timing import EARLY_HOLD_MARGIN_S, PACE_MARGIN_S
@@ -557,15 +557,23 @@ class Scheduler:
         return 0.0
 
     # ----------------------------------------------------------------- delivery
-    def on_delivered(self, plan: ChunkPlan, now: float) -> None:
-        """A chunk's audio left the core: book its lateness against the stream's real-time schedule (`load`)."""
+    def on_delivered(self, plan: ChunkPlan, now: float) -> LateChunk | None:
+        """A chunk's audio left the core: book its lateness against the stream's real-time schedule (`load`).
+        The chunk, if it left late."""
         request = plan.request
         deadline = request.deadline()
+        late = None
         if deadline is None:
             request.first_audio = now
-        elif self.load.on_delivered(deadline, now, plan.index, plan.planned_at) and self.load.late_chunks(now):
-            self.stream_limit.on_late(self.holding_streams(), now)
+        else:
+            if self.load.on_delivered(deadline, now, plan.index, plan.planned_at) and self.load.late_chunks(now):
+                self.stream_limit.on_late(self.holding_streams(), now)
+            if now > deadline:
+                assert request.first_audio is not None  # a deadline comes from it
+                late = LateChunk(request.request_id, plan.index, plan.n_frames, request.first_audio, deadline,
+                                 plan.planned_at, now)
         request.delivered_frames = plan.frame_start + plan.n_frames
+        return late
 
     def audio_streams(self) -> int:
         """Live streams that may still cut chunks for the codec lane (`CodecQueue.next_batch`)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwen3tts_agent.engine.frontend.engine import Engine, memory_for_slots
+from qwen3tts_agent.engine.frontend.engine import AUTO_MEMORY_FRACTION, Engine, memory_for_slots, slots_fit
 from qwen3tts_agent.ray.settings import RayServeSettings
 
 GIB = 2**30
@@ -35,10 +35,26 @@ def test_a_share_never_exceeds_what_is_free() -> None:
     assert memory == 0
 
 
+def test_slots_asked_for_that_do_not_fit_are_refused_with_what_would() -> None:
+    """`serve --max-streams 512` of 0.6B on an H100 (235 MiB a slot at 2048 positions, 76 GiB free) once died of
+    CUDA's out-of-memory error for 112 GiB mid-start; a whole device is checked now as a share always was."""
+    per_slot = 235 * 2**20
+    fits = int(76 * GIB * AUTO_MEMORY_FRACTION // per_slot)
+    slots_fit(fits, per_slot, 76 * GIB, "76.0 GiB free")
+    with pytest.raises(ValueError, match=rf"512 stream slots need 117.5 GiB .*76.0 GiB free.*use at most {fits} slots"):
+        slots_fit(512, per_slot, 76 * GIB, "76.0 GiB free")
+
+
 def test_ray_replicas_below_one_gpu_build_engines_with_their_share() -> None:
     assert RayServeSettings(model="synthetic:tiny", num_gpus=0.5).engine_kwargs()["device_share"] == 0.5
     assert "device_share" not in RayServeSettings(model="synthetic:tiny", num_gpus=1.0).engine_kwargs()
     assert "device_share" not in RayServeSettings(model="synthetic:tiny", num_gpus=0.0).engine_kwargs()  # CPU
+
+
+@pytest.mark.parametrize("positions", [0, -1])
+def test_a_stream_slot_of_no_positions_is_refused(positions: int) -> None:
+    with pytest.raises(ValueError, match="max_seq_len must be a positive number of positions"):
+        Engine.load("synthetic:tiny", device="cpu", progress=False, max_seq_len=positions)
 
 
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5])

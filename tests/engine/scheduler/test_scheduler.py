@@ -276,12 +276,15 @@ def test_late_chunks_are_counted_and_several_are_evidence_of_load_for_a_while() 
     r = make_request("r", schedule=(1,), max_frames=None)
     start(scheduler, r, list(range(20)))
     [first] = step(scheduler, 0.0)
-    scheduler.on_delivered(first, now=1.0)
+    assert scheduler.on_delivered(first, now=1.0) is None  # a first chunk has no deadline
     late = 0.03
     for i in range(LATE_CHUNKS_TO_SHED):
         [chunk] = step(scheduler, 1.0 + i * 0.01)
         assert not scheduler.load.late_chunks(1.0)
-        scheduler.on_delivered(chunk, now=1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late)  # later and later
+        left = 1.0 + (i + 1) * FRAME_SECONDS + (i + 1) * late  # later and later
+        told = scheduler.on_delivered(chunk, now=left)  # what the core logs (engine/core/late_trace.py)
+        assert told == ("r", i + 1, 1, 1.0, 1.0 + (i + 1) * FRAME_SECONDS, 1.0 + i * 0.01, left)
+        assert told is not None and told.cause == "decode"
     assert scheduler.load.stats.late_chunks == LATE_CHUNKS_TO_SHED
     # the chunks after the first, one frame each, by their place: the second ("1"), the third, the fourth, later
     places = ["1", "2", "3", *["4+"] * LATE_CHUNKS_TO_SHED][:LATE_CHUNKS_TO_SHED]
