@@ -5,11 +5,13 @@ step pace's ("frames": the chunk's frames were not all made by its deadline) or 
 capacity a few of them decide everything (three within a second cut the streams the engine takes on), so each
 one is worth its story: when its stream's first audio left, when the chunk was due, cut and sent, and every step
 queued from `WINDOW_S` before it was due until it left (when queued and read back, its rows, whether it was a
-batched step or new streams' first frames, whether the late stream was in it). A step that ran long, a gap with
+batched step or new streams' first frames, whether the late stream was in it, its device time where events
+measured it: read back much later than that, it waited for the device or the core's loop). A step that ran long, a gap with
 no step, or a run of first-frame steps then shows in the server's log. At most `LINES_PER_S` lines a second;
 the next line says how many were left out.
 
-The core's thread alone calls it; it keeps the last `KEEP_STEPS` steps (no tensors, a few kB).
+The core's thread alone calls it; it keeps the last `KEEP_STEPS` steps and their streams' ids (no tensors; a
+few MB at most, with every slot in every step).
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class LateChunkTrace:
         logger.info("%s%s", self.describe(chunk), f" ({left_out} more late chunks not logged before it)" if left_out else "")
 
     def describe(self, chunk: LateChunk) -> str:
-        """The chunk's story, times in ms from when it was due: e.g. `-210~-201 B120*` is a batched step of 120
-        rows, the late stream among them, queued 210 ms before the chunk was due and read back 9 ms later."""
+        """The chunk's story, times in ms from when it was due: e.g. `-210~-201 B120*:8.6` is a batched step of
+        120 rows, the late stream among them, queued 210 ms before the chunk was due, read back 9 ms later, 8.6 ms
+        of it on the device (`:` and the device time only where events measured it)."""
         due = chunk.due
 
         def ms(t: float) -> str:
@@ -87,6 +90,7 @@ class LateChunkTrace:
         steps = [
             f"{ms(s.queued_at)}~{ms(s.read_at) if s.read_at is not None else '?'} "
             f"{'B' if s.batched else 'F'}{s.rows}{'*' if chunk.request_id in s.request_ids else ''}"
+            f"{f':{s.device_s * 1000:.1f}' if s.device_s is not None else ''}"
             for s in self._steps
             if due - WINDOW_S <= s.queued_at <= chunk.left_at
         ]
@@ -94,5 +98,5 @@ class LateChunkTrace:
             f"late chunk {chunk.chunk_index} ({chunk.frames} frames) of {chunk.request_id}: left {ms(chunk.left_at)} ms "
             f"after it was due ({chunk.cause}); first audio {ms(chunk.first_audio)}, cut {ms(chunk.cut_at)}; "
             f"steps since {WINDOW_S * 1000:.0f} ms before (queued~read, B batched / F first frames, rows, * with "
-            f"it): {', '.join(steps) or 'none'}"
+            f"it, :device ms): {', '.join(steps) or 'none'}"
         )

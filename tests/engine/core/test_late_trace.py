@@ -35,7 +35,7 @@ def test_a_late_chunk_is_told_with_the_steps_around_its_deadline(caplog: pytest.
         trace.on_late(late)
     [line] = caplog.messages
     assert line.startswith("late chunk 1 (2 frames) of a: left +25 ms after it was due (frames); first audio -80, cut +20")
-    assert line.endswith("-200~-190 B3*, -150~-149 F2, +10~? B3*")
+    assert line.endswith("-200~-190 B3*:10.0, -150~-149 F2:1.0, +10~? B3*")
 
 
 def test_a_chunk_cut_in_time_is_the_codec_lanes_and_a_burst_is_told_a_few_times_a_second(
@@ -85,5 +85,5 @@ def test_the_engine_logs_a_chunk_made_late_by_a_slow_step(caplog: pytest.LogCapt
                          lines[0])
     assert story is not None and int(story.group(1)) >= 100, lines[0]  # 400 ms less the frames due before it
     # the slow step, with the stream in it, read back 400 ms or more after it was queued
-    spans = [re.fullmatch(r"([+-]\d+)~([+-]\d+) B1\*", s) for s in story.group(2).split(", ")]
+    spans = [re.fullmatch(r"([+-]\d+)~([+-]\d+) B1\*", s) for s in story.group(2).split(", ")]  # no events on a CPU
     assert any(m is not None and int(m.group(2)) - int(m.group(1)) >= 400 for m in spans), story.group(2)
