@@ -467,15 +467,18 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         "codec_decodes_per_s": decodes / seconds,
         "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,
-        "late_chunks_by_index": {name.split('index="')[1].rstrip('"}'): value for name, value in metrics.items()
-                                 if name.startswith("qwen3tts_engine_late_chunks_by_index{")},
-        "late_chunks_by_cause": {name.split('cause="')[1].rstrip('"}'): value for name, value in metrics.items()
-                                 if name.startswith("qwen3tts_engine_late_chunks_by_cause{")},
+        "late_chunks_by_index": by_label(metrics, "qwen3tts_engine_late_chunks_by_index", "index"),
+        "late_chunks_by_cause": by_label(metrics, "qwen3tts_engine_late_chunks_by_cause", "cause"),
         "stream_limit_cuts": metrics.get("qwen3tts_engine_stream_limit_cuts", 0.0),
         "stream_limit_seconds": metrics.get("qwen3tts_engine_stream_limit_seconds", 0.0),
-        "busy_by_reason": {name.split('reason="')[1].rstrip('"}'): value for name, value in metrics.items()
-                           if name.startswith("qwen3tts_busy_total{") and value},
+        "busy_by_reason": {k: v for k, v in by_label(metrics, "qwen3tts_busy_total", "reason").items() if v},
     }
+
+
+def by_label(metrics: dict[str, float], family: str, label: str) -> dict[str, float]:
+    """A labelled family's values (as `scrape` keeps them: `LABELLED_FAMILIES`) by their one `label`'s value."""
+    return {name.split(f'{label}="')[1].rstrip('"}'): value for name, value in metrics.items()
+            if name.startswith(f"{family}{{")}
 
 
 def wait_until_idle(url: str, api_key: str | None, timeout: float) -> float | None:

@@ -10,18 +10,18 @@ measured it: read back much later than that, it waited for the device or the cor
 no step, or a run of first-frame steps then shows in the server's log. At most `LINES_PER_S` lines a second;
 the next line says how many were left out.
 
-The core's thread alone calls it; it keeps the last `KEEP_STEPS` steps and their streams' ids (no tensors; a
-few MB at most, with every slot in every step).
+The core's thread alone calls it; it keeps the last `KEEP_STEPS` steps with the list of their rows the launcher
+made anyway (no copy on the step's path: a row is looked for only when a chunk is late).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..scheduler import LateChunk
+from ..scheduler import LateChunk, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,8 @@ LINES_PER_S = 5
 class _Step:
     seq: int
     queued_at: float
-    rows: int
     batched: bool
-    request_ids: frozenset[str]
+    rows: Sequence[RequestState]
     read_at: float | None = None  # when the core read it back
     device_s: float | None = None  # its device time, where events measured it
 
@@ -54,11 +53,11 @@ class LateChunkTrace:
     _lines: int = 0  # lines logged in it
     _left_out: int = 0  # late chunks not logged since the last line
 
-    def queued(self, seq: int, request_ids: Iterable[str], now: float, *, batched: bool) -> None:
-        ids = frozenset(request_ids)
+    def queued(self, seq: int, rows: Sequence[RequestState], now: float, *, batched: bool) -> None:
+        """A step of `rows` was queued at `now` (kept as given: the launcher does not change it)."""
         if len(self._steps) == self._steps.maxlen:
             self._by_seq.pop(self._steps[0].seq, None)
-        step = _Step(seq, now, len(ids), batched, ids)
+        step = _Step(seq, now, batched, rows)
         self._steps.append(step)
         self._by_seq[seq] = step
 
@@ -89,7 +88,8 @@ class LateChunkTrace:
 
         steps = [
             f"{ms(s.queued_at)}~{ms(s.read_at) if s.read_at is not None else '?'} "
-            f"{'B' if s.batched else 'F'}{s.rows}{'*' if chunk.request_id in s.request_ids else ''}"
+            f"{'B' if s.batched else 'F'}{len(s.rows)}"
+            f"{'*' if any(r.request_id == chunk.request_id for r in s.rows) else ''}"
             f"{f':{s.device_s * 1000:.1f}' if s.device_s is not None else ''}"
             for s in self._steps
             if due - WINDOW_S <= s.queued_at <= chunk.left_at

@@ -176,7 +176,7 @@ class StepLauncher:
         step = self.steps.queue(
             self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
         )
-        self._trace.queued(step.seq, (r.request_id for r in rows), now, batched=batched)
+        self._trace.queued(step.seq, rows, now, batched=batched)
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
             ended = time.perf_counter()
             self.scheduler.load.record_step_time(ended - now, ended)

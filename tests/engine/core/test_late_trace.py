@@ -13,22 +13,27 @@ import pytest
 from qwen3tts_agent import SamplingParams
 from qwen3tts_agent.engine.core import late_trace
 from qwen3tts_agent.engine.core.late_trace import LINES_PER_S, WINDOW_S, LateChunkTrace
-from qwen3tts_agent.engine.scheduler import LateChunk
+from qwen3tts_agent.engine.scheduler import LateChunk, PromptShape, RequestState
+from qwen3tts_agent.engine.types import TextLayout
 from tests.engine_helpers import engine_for, xvector_voice
 
 TRACE_LOGGER = late_trace.__name__
 
 
+def _rows(*request_ids: str) -> list[RequestState]:
+    return [RequestState(rid, PromptShape(TextLayout.INTERLEAVED), (1,), 0.0) for rid in request_ids]
+
+
 def test_a_late_chunk_is_told_with_the_steps_around_its_deadline(caplog: pytest.LogCaptureFixture) -> None:
     trace = LateChunkTrace()
     due = 100.0
-    trace.queued(1, ["a", "b"], due - WINDOW_S - 0.05, batched=True)  # before the window: left out
+    trace.queued(1, _rows("a", "b"), due - WINDOW_S - 0.05, batched=True)  # before the window: left out
     trace.read(1, due - WINDOW_S - 0.04, 0.01)
-    trace.queued(2, ["a", "b", "c"], due - 0.2, batched=True)
+    trace.queued(2, _rows("a", "b", "c"), due - 0.2, batched=True)
     trace.read(2, due - 0.19, 0.01)
-    trace.queued(3, ["n1", "n2"], due - 0.15, batched=False)  # new streams' first frames, without "a"
+    trace.queued(3, _rows("n1", "n2"), due - 0.15, batched=False)  # new streams' first frames, without "a"
     trace.read(3, due - 0.149, 0.001)
-    trace.queued(4, ["a", "b", "c"], due + 0.01, batched=True)  # queued after the deadline, never read back
+    trace.queued(4, _rows("a", "b", "c"), due + 0.01, batched=True)  # queued after the deadline, never read back
     late = LateChunk("a", 1, 2, first_audio=due - 0.08, due=due, cut_at=due + 0.02, left_at=due + 0.025)
     assert late.cause == "frames"
     with caplog.at_level(logging.INFO, logger=TRACE_LOGGER):
