@@ -45,6 +45,20 @@ def test_slots_asked_for_that_do_not_fit_are_refused_with_what_would() -> None:
         slots_fit(512, per_slot, 76 * GIB, "76.0 GiB free")
 
 
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_slots_asked_for_are_checked_on_a_whole_device_as_on_a_share(share: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check ran only for engines on a share of a GPU, so 512 slots on a whole H100 reached CUDA's allocator;
+    now every number of slots asked for is checked (the check itself needs a GPU: here it is only watched)."""
+    from qwen3tts_agent.engine.frontend import engine as engine_module
+
+    checked: list[tuple[int, int, float]] = []
+    monkeypatch.setattr(engine_module, "check_slots_fit",
+                        lambda model, streams, positions, device_share: checked.append((streams, positions, device_share)))
+    Engine.load("synthetic:tiny", device="cpu", progress=False, max_streams=3, max_seq_len=256, device_share=share).close()
+    Engine.load("synthetic:tiny", device="cpu", progress=False, max_streams="auto", device_share=share).close()  # fits by construction
+    assert checked == [(3, 256, share)]
+
+
 def test_ray_replicas_below_one_gpu_build_engines_with_their_share() -> None:
     assert RayServeSettings(model="synthetic:tiny", num_gpus=0.5).engine_kwargs()["device_share"] == 0.5
     assert "device_share" not in RayServeSettings(model="synthetic:tiny", num_gpus=1.0).engine_kwargs()
