@@ -102,6 +102,8 @@ GAUGES = ("qwen3tts_active_sessions", "qwen3tts_active_streams", "qwen3tts_queue
           "qwen3tts_engine_active_streams", "qwen3tts_engine_queued_streams", "qwen3tts_engine_overloaded")
 # Series that move while the server idles (the core's loop, its memory): left out when scrapes are compared.
 VOLATILE = ("qwen3tts_engine_loop_seconds", "qwen3tts_engine_core_rss_bytes", "qwen3tts_engine_device_memory_bytes")
+# /ready answered 200 on this many fresh connections in a row: every API worker has the new core, very likely
+READY_EVERYWHERE = 8
 KILL_GRACE_S = 2.0  # after the first good utterance served by the new core, failures still count as the kill's
 STALL_FILL_S = 5.0  # time a stalled client allows the server to fill its send buffers before the send timeout runs
 SLOW_CONNECTIONS = 4  # connections of one slowloris unit
@@ -813,6 +815,9 @@ class Server:
             if while_down is not None:
                 open_session = await while_down
                 if open_session is None and served is not None:
+                    # each API worker hears of the new core on its own (its hello, every 0.5 s while it has none):
+                    # the session's worker may not be the one that answered /ready and served the probe
+                    await self._ready_in_every_worker(deadline)
                     open_session = await self._survivor_step(survivor, refusal_ok=False, when="once the core was back")
         finally:
             survivor.transport.abort()
@@ -823,6 +828,15 @@ class Server:
         return {"killed_pid": old, "new_pid": self.processes().get("core"), "killed_at": killed,
                 "not_ready_after_s": after(down), "ready_after_s": after(ready), "served_after_s": after(served),
                 "last_probe_error": last_probe if served is None else None, "open_session": open_session}
+
+    async def _ready_in_every_worker(self, deadline: float) -> None:
+        """Until `READY_EVERYWHERE` fresh connections in a row (spread over the workers by the kernel) found /ready
+        200, or `deadline`."""
+        streak = 0
+        while streak < READY_EVERYWHERE and time.monotonic() < deadline:
+            streak = streak + 1 if await asyncio.to_thread(self.ready_status) == 200 else 0
+            if streak == 0:
+                await asyncio.sleep(0.05)
 
     async def _survivor_step(self, ws: ClientConnection, *, refusal_ok: bool, when: str) -> str | None:
         try:
