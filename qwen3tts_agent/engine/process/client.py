@@ -41,6 +41,10 @@ from . import ipc
 logger = logging.getLogger(__name__)
 
 HELLO_INTERVAL_S = 0.5
+# How often the socket tries to reach a core that is not there (ZeroMQ's default: 100 ms). The hellos said
+# meanwhile wait in its queue and arrive as it connects, so this is how far apart the clients of one restarted
+# core (a server's API workers) hear of it: one that is ready while another still refuses as not ready.
+RECONNECT_INTERVAL_MS = 10
 PING_INTERVAL_S = 0.5
 GIVE_UP_POLL_S = 0.5  # how often a waiting `connect` asks its `give_up`
 
@@ -91,6 +95,7 @@ class _Link:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.identity)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
         dealer.connect(self.address)
         # a core process that dies closes its end at once: its disconnect is noticed before its heartbeat lapses
         monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)

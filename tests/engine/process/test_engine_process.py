@@ -144,6 +144,33 @@ def test_a_killed_core_ends_streams_at_once_and_comes_back(core: EngineProcess, 
     assert result.frames == 3 and len(pcm) == 3 * 1920
 
 
+def test_a_client_reaches_a_core_within_a_few_milliseconds_of_its_binding(tmp_path: Path) -> None:
+    """A server's API workers are clients of one core: after a restart each must serve again about when the others
+    do, or a session on a late one is told `not_ready` while /ready on another says 200. A client's hellos queue
+    while no core is there and leave as its socket connects, which it tries every `RECONNECT_INTERVAL_MS`
+    (ZeroMQ's default, 100 ms, let clients of one restarted core come back up to ~150 ms apart)."""
+    from qwen3tts_agent.engine.process.client import _Link
+
+    context = zmq.Context.instance()
+    delays = []
+    for attempt in range(5):
+        address = f"ipc://{tmp_path}/late-core-{attempt}.sock"
+        link = _Link(address, on_message=lambda frames: None, dead_after_s=60.0)
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        try:
+            time.sleep(0.25)  # no core yet: the link says hello to no one
+            bound = time.monotonic()
+            router.bind(address)
+            assert router.poll(2000), "the link's hello never arrived"
+            delays.append(time.monotonic() - bound)
+            assert router.recv_multipart()[1] == ipc.HELLO
+        finally:
+            router.close()
+            link.close()
+    assert max(delays) < 0.03, delays
+
+
 def test_a_stopped_supervisor_leaves_no_core_and_no_socket_file(tmp_path) -> None:
     """Over hours a server's supervisor restarts killed cores and is itself stopped and started again: each
     stop, at any moment of a restart, ends the core it started and takes its `ipc://` socket file with it."""
