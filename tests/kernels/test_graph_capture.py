@@ -1,13 +1,16 @@
 """`GraphCapture` on a GPU: a graph is captured with cuDNN's attention left out of
 `scaled_dot_product_attention`'s choice (`engine/runner/cuda_graphs.py` says why), its replay gives the same
 attention as an eager call, and the choice is the caller's again once the capture is done. A capture that
-fails without its eager run gets one and a valid graph; two families captured at once on two threads
-(`capture_beside`) replay what eager calls compute. The frame graphs, captured after one eager frame step per
-batch bucket while the codec's are captured beside them, replay what eager frame steps compute."""
+fails without its eager run gets one and a valid graph; every graph is uploaded to the device at capture; two
+families captured at once on two threads (`capture_beside`) replay what eager calls compute. The frame graphs,
+captured after one eager frame step per batch bucket while the codec's are captured beside them, replay what
+eager frame steps compute."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -55,8 +58,32 @@ def test_a_capture_that_fails_without_its_eager_run_gets_one_and_a_valid_graph()
     assert capture.eager_runs == 1 and len(calls) == 3  # the failed capture, the eager run, the capture
     x.add_(1)
     graph.replay()
-    capture.finish()
+    capture.finish(1, "doubling", time.perf_counter())
     torch.testing.assert_close(out, x * 2)
+
+
+@pytest.mark.gpu
+def test_every_captured_graph_is_uploaded_to_the_device_and_replays_what_eager_calls_compute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`cuGraphUpload` at capture (the module docstring of engine/runner/cuda_graphs.py says why): each graph of a
+    family is uploaded, the family's log line says so, and the uploaded graphs replay right."""
+    from qwen3tts_agent.engine.runner import GraphCapture
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(64, 64, device="cuda", generator=generator) for _ in range(2))
+    matmuls = [lambda n=n: torch.relu(a[:n] @ b) for n in (8, 16, 64)]
+    capture = GraphCapture()
+    captured = [capture.capture(fn) for fn in matmuls]
+    with caplog.at_level(logging.INFO, logger="qwen3tts_agent.engine.runner.cuda_graphs"):
+        capture.finish(len(matmuls), "matmul", time.perf_counter())
+    assert capture.uploaded == len(matmuls)
+    assert "captured 3 matmul graphs in" in caplog.text and "; 3 uploaded to the device" in caplog.text
+    a.mul_(-1)
+    for (graph, out), fn in zip(captured, matmuls, strict=True):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, fn())
 
 
 @pytest.mark.gpu
@@ -75,7 +102,7 @@ def test_two_families_captured_beside_each_other_replay_what_eager_calls_compute
         threads[name] = threading.current_thread().name
         capture = GraphCapture()
         graphs[name] = [capture.capture(fn) for fn in fns]  # the first with an eager run, the rest without
-        capture.finish()
+        capture.finish(len(fns), name, time.perf_counter())
 
     convs = [lambda n=n: F.conv1d(signal[:n], kernel, padding=3, dilation=1) for n in (1, 2, 4)]
     matmuls = [lambda n=n: a[:n] @ b for n in (8, 16, 32, 64)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import logging
 import time
 from collections.abc import Iterable
 
@@ -18,8 +17,6 @@ import torch
 from ...progress import track
 from ..runner import GraphCapture, split_frames, upload
 from .codec import StreamingCodecDecoder
-
-logger = logging.getLogger(__name__)
 
 
 class GraphedCodecDecode:
@@ -60,9 +57,7 @@ class GraphedCodecDecode:
         for b, t in track(keys, desc=f"capturing {self.name} graphs", enabled=progress):
             decode = functools.partial(self.codec.decode, self._slots[:b], self._codes[:b, :t])
             self._graphs[(b, t)] = self._capture.capture(decode)
-        self._capture.finish()
-        logger.info("captured %d %s graphs in %.1f s (%d eager runs)", len(keys), self.name,
-                    time.perf_counter() - started, self._capture.eager_runs)
+        self._capture.finish(len(keys), self.name, started)
 
     @property
     def captured(self) -> bool:

@@ -129,7 +129,9 @@ class StepLauncher:
             return False
         period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
-        early = paced and not self.pacer.clock_due(now)
+        # the clock ticks faster as slots run short (`Scheduler.clock_period`); a held step's release and the
+        # first-frame rules still count a step as `period` at most, the time a step may take
+        early = paced and not self.pacer.clock_due(now, self.scheduler.clock_period(period))
         # A paced step (any step that carries no first frame, with `first_audio_alone`) also waits while a new
         # stream's first frame runs and its first chunk decodes: their kernels then have the device to
         # themselves instead of queueing for it behind the step's.

@@ -12,11 +12,16 @@ Graphs are captured with cuDNN's attention left out of `scaled_dot_product_atten
 execution plan the first time it meets a shape, and with one shape per graph that set-up was most of the prompt
 and codec graphs' capture time at every start (docs/gpu.md, "One engine thread"). FlashAttention and the
 memory-efficient kernel, which torch picks otherwise, have no per-shape set-up.
+
+Every graph is uploaded to the device as it is captured (`upload_graph`). CUDA otherwise uploads an instantiated
+graph's work at its first launch, which for the larger graphs (many rows, long caches) is the first burst of
+traffic: the first steps of that size would then take longer than every later one.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import logging
 import time
@@ -100,6 +105,33 @@ def capture_beside(device: torch.device, first: Callable[[], None], beside: Call
         done.result()
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver library (the one torch's runtime runs on), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def upload_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
+    """Upload an instantiated graph's work to the device on `stream` now (`cuGraphUpload`), rather than at its
+    first launch (module docstring). Whether it was uploaded: False where the driver or torch's handle to the
+    executable graph is missing, or the driver refused (the graph then uploads at its first launch, as before)."""
+    driver = _driver()
+    exec_handle = getattr(graph, "raw_cuda_graph_exec", None)
+    if driver is None or exec_handle is None:
+        return False
+    try:
+        handle = exec_handle()
+    except RuntimeError:  # not instantiated
+        return False
+    result = driver.cuGraphUpload(ctypes.c_void_p(handle), ctypes.c_void_p(stream.cuda_stream))
+    if result != 0:
+        logger.debug("cuGraphUpload returned CUDA error %d; the graph uploads at its first launch", result)
+    return result == 0
+
+
 class GraphCapture:
     """What every family of graphs here shares when capturing: a memory pool (from its first graph) and a
     capture stream of its own (its own cuBLAS workspace, see the module docstring).
@@ -111,7 +143,8 @@ class GraphCapture:
     per graph (a start's warm-up is mostly that host time). So by default (`eager=None`) only the first
     capture has one; `eager=False` captures at once, and where that capture fails (something set itself up
     inside it, which a capture forbids: it fails, it does not replay wrongly), runs `fn` eagerly and captures
-    again. `eager_runs` counts the eager runs.
+    again. `eager_runs` counts the eager runs. Each graph is uploaded to the device once captured (`upload_graph`);
+    `uploaded` counts them.
     """
 
     def __init__(self) -> None:
@@ -119,6 +152,8 @@ class GraphCapture:
         self._stream = torch.cuda.Stream()
         self._side: torch.cuda.Stream | None = None
         self.eager_runs = 0
+        self.uploaded = 0
+        self._upload_seconds = 0.0
 
     def capture(self, fn: Callable[[], T], eager: bool | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
         if eager is None:
@@ -132,11 +167,19 @@ class GraphCapture:
             self._run_eagerly(fn)
             return self._capture(fn)
 
-    def finish(self) -> None:
-        """Wait for the eager runs (which wrote the static buffers the graphs replay on). Not a device-wide
+    def finish(self, graphs: int, family: str, started: float) -> float:
+        """Wait for the eager runs (which wrote the static buffers the graphs replay on) and the uploads, and log
+        the family's capture (the start-up benchmark reads the line). Seconds since `started`. Not a device-wide
         synchronisation: another family may be capturing on another thread (`capture_beside`)."""
         if self._side is not None:
             self._side.synchronize()
+        uploads_started = time.perf_counter()
+        self._stream.synchronize()
+        self._upload_seconds += time.perf_counter() - uploads_started
+        seconds = time.perf_counter() - started
+        logger.info("captured %d %s graphs in %.1f s (%d eager runs); %d uploaded to the device (%.2f s)",
+                    graphs, family, seconds, self.eager_runs, self.uploaded, self._upload_seconds)
+        return seconds
 
     def _run_eagerly(self, fn: Callable[[], object]) -> None:
         if self._side is None:
@@ -161,6 +204,9 @@ class GraphCapture:
                 graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
+        uploading = time.perf_counter()
+        self.uploaded += upload_graph(graph, self._stream)
+        self._upload_seconds += time.perf_counter() - uploading
         return graph, out
 
 
@@ -210,10 +256,8 @@ class GraphedFrameStep:
                 functools.partial(runner.frame_step, b, kv), eager=not triton_only or variant not in launched
             )
             launched.add(variant)
-        self._capture.finish()
+        seconds = self._capture.finish(len(keys), "frame", started)
         runner.active.copy_(saved_active)
-        seconds = time.perf_counter() - started
-        logger.info("captured %d frame graphs in %.1f s (%d eager runs)", len(keys), seconds, self._capture.eager_runs)
         return seconds
 
     @property
@@ -283,9 +327,7 @@ class GraphedPrefill:
         for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             forward = functools.partial(self.runner.prefill_forward, *self._inputs(b, t), kv_len=k)
             self._graphs[(b, t, k)] = self._capture.capture(forward)
-        self._capture.finish()
-        logger.info("captured %d prefill graphs in %.1f s (%d eager runs)", len(self.keys),
-                    time.perf_counter() - started, self._capture.eager_runs)
+        self._capture.finish(len(self.keys), "prefill", started)
 
     @property
     def captured(self) -> bool:
@@ -334,9 +376,7 @@ class GraphedStagedPrefill:
         for b, k in track(keys, desc="capturing staged prefill graphs", enabled=progress):
             forward = functools.partial(self.staging.forward, self._embeds[:b], self._write_pos[:b], kv_len=k)
             self._graphs[(b, k)] = self._capture.capture(forward)
-        self._capture.finish()
-        logger.info("captured %d staged prefill graphs in %.1f s (%d eager runs)", len(keys),
-                    time.perf_counter() - started, self._capture.eager_runs)
+        self._capture.finish(len(keys), "staged prefill", started)
 
     @property
     def captured(self) -> bool:

@@ -39,9 +39,10 @@ class StepPacer:
         end = self.expected_end()
         return end is None or now >= end - self.margin_s
 
-    def clock_due(self, now: float) -> bool:
-        """Whether the step clock lets a paced step go now: `step_period_s` since the last batched step."""
-        return now >= self._last_batched + self.step_period_s
+    def clock_due(self, now: float, period_s: float | None = None) -> bool:
+        """Whether the step clock lets a paced step go now: `period_s` (by default `step_period_s`; shorter when
+        slots run short, `Scheduler.clock_period`) since the last batched step."""
+        return now >= self._last_batched + (self.step_period_s if period_s is None else period_s)
 
     def may_queue(self) -> bool:
         """Whether another step may be queued behind those in flight, whenever they end (a new stream's first

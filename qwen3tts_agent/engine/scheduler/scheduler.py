@@ -39,6 +39,13 @@ From `clock_first_frame_load` streams stepping, therefore, a new stream takes no
 its first frame waits for the clock's next tick like every other frame: a few milliseconds more to first
 audio for fuller steps.
 
+Slot pressure. The step clock runs every stream at about `FRAME_SECONDS / period` times real time, so a stream
+holds its slot for its utterance's length divided by that: with every slot taken, arrivals then wait for a slot
+(and are refused after `SLOT_WAIT_TO_SHED_S`) while the device idles between ticks. From `SLOT_PRESSURE_FROM` of
+the slots held (by streams stepping or waiting for one), the clock's period therefore shrinks in proportion to the
+slots left, to none at full slots (`clock_period`): streams then finish and free their slots as fast as the device
+can make their frames, and the clock's room for new streams is given back once slots are free again.
+
 Speculative first frame. In the interleaved layout the first frame reads the second target token, and a
 token is final only once the text after it has begun (a word may still grow), so a stream fed LLM tokens
 would wait two token intervals for its first frame. Instead the first frame runs on the second token as the
@@ -70,6 +77,8 @@ SLOT_WAIT_TO_SHED_S = 0.1
 SLOT_WAIT = "slot_wait"
 # Why an engine refuses new streams (`Scheduler.refusal_reason`): its device's evidence, or the wait for a slot.
 REFUSAL_REASONS = (SLOW_STEPS, LATE_CHUNKS, SLOT_WAIT)
+# From this fraction of the slots held the step clock's period shrinks, to none at full slots (`clock_period`).
+SLOT_PRESSURE_FROM = 0.75
 
 
 class SlotMove(NamedTuple):
@@ -411,6 +420,15 @@ class Scheduler:
             return False
         stepping = sum(1 for r in rows if r.frames_launched)
         return stepping == len(rows) or self._clocks_first_frames(stepping)
+
+    def clock_period(self, period_s: float) -> float:
+        """The step clock's period at this slot pressure: `period_s` up to `SLOT_PRESSURE_FROM` of the slots held
+        (`holding_streams`), then shrinking linearly with the slots left, to 0 (steps back to back) when every
+        slot is held or requests wait for one (module docstring, "Slot pressure")."""
+        held = self.holding_streams() / self.max_slots
+        if held <= SLOT_PRESSURE_FROM:
+            return period_s
+        return period_s * max(0.0, (1.0 - held) / (1.0 - SLOT_PRESSURE_FROM))
 
     def pace_release(
         self, rows: Sequence[RequestState], now: float, period_s: float, margin_s: float = PACE_MARGIN_S

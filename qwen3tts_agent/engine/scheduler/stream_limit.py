@@ -8,11 +8,14 @@ measurements: docs/engine.md, "Refusing new streams").
 
 Instead the evidence lowers a limit on the streams holding or waiting for a slot, to `BACKOFF` times those there
 when it came (multiplicative decrease), at most once per `CUT_INTERVAL_S` while chunks keep leaving late (one
-excess makes several chunks late over a few frames: one cut, not one per chunk). The limit then climbs back by
-`GROWTH_PER_S` of the engine's slots a second (additive increase) from `HOLD_S` after its last cut, up to every
-slot, where it is off. Admission thus follows the streams the device keeps on time: a new stream comes in as one
-leaves, not in a burst, and the device stays full. The limit is a function of time since its last cut, so that readers on other
-threads (admission, stats) compute it without the core's thread ever ticking it.
+excess makes several chunks late over a few frames: one cut, not one per chunk). From `HOLD_S` after its last cut
+the limit grows back as TCP CUBIC's window does: a cubic in the time since, flat around the streams there at the
+cut (the load the device last fell behind at, where it is probed carefully) and steep away from it, up to every
+slot, where it is off. A cut near the device's capacity thus regrows slowly past it, and one that a burst set off
+with few streams there (a low limit, nothing to do with the device's capacity) climbs back to every slot within
+seconds rather than at a fixed rate for many. Admission follows the streams the device keeps on time: a new stream
+comes in as one leaves, not in a burst, and the device stays full. The limit is a function of time since its last
+cut, so that readers on other threads (admission, stats) compute it without the core's thread ever ticking it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ BACKOFF = 0.9
 CUT_INTERVAL_S = 0.5
 # ... and held for this long after a cut (the chunks of streams admitted just before it are due within it) ...
 HOLD_S = 0.5
-# ... then raised by this fraction of the slots a second, up to all of them.
-GROWTH_PER_S = 0.05
+# ... then regrown along a cubic of the seconds since (CUBIC's `C`), scaled by the slots: streams per second cubed
+# per slot. With 224 slots a cut at 26 streams is back at every slot 4.9 s after it, one at 200 in 3.9 s.
+CUBIC_SCALE = 0.02
 
 
 class StreamLimit:
@@ -34,27 +38,39 @@ class StreamLimit:
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
         self.max_slots = max_slots
+        self._peak = float(max_slots)  # the streams there at the last cut (CUBIC's W_max)
         self._cut_to = float(max_slots)  # the limit's value at its last cut
         self._cut_at = float("-inf")  # when that was (never: no limit below the slots)
         self.cuts = 0  # how many times late chunks lowered it (stats)
         self._limited_before = 0.0  # seconds the limit was below the slots before its last cut (stats)
 
+    @property
+    def _growth(self) -> float:
+        """CUBIC's `C`: streams per second cubed."""
+        return CUBIC_SCALE * self.max_slots
+
+    def _plateau_s(self) -> float:
+        """CUBIC's `K`: the seconds of growth (after `HOLD_S`) that take the limit from its cut back to the peak."""
+        return (max(0.0, self._peak - self._cut_to) / self._growth) ** (1 / 3)
+
     def limit(self, now: float) -> float:
         """The streams that may hold or wait for a slot at `now` (the slots, unless a recent cut says fewer)."""
-        grown = max(0.0, now - self._cut_at - HOLD_S) * GROWTH_PER_S * self.max_slots
-        return min(float(self.max_slots), self._cut_to + grown)
+        grown_s = now - self._cut_at - HOLD_S
+        if grown_s <= 0:
+            return min(float(self.max_slots), self._cut_to)
+        return min(float(self.max_slots), self._peak + self._growth * (grown_s - self._plateau_s()) ** 3)
 
     def limited_seconds(self, now: float) -> float:
         """Seconds the limit has spent below the slots up to `now`, all cuts together (stats): with `cuts`, how
-        much admission one cut cost. A cut when few streams were there (a burst's first chunks late, say) leaves a
-        low limit that takes many seconds to climb back; one near the device's capacity, a second or two."""
+        much admission one cut cost."""
         return self._limited_before + self._limited_since_cut(now)
 
     def _limited_since_cut(self, now: float) -> float:
         """The last cut's seconds below the slots, up to `now` (`limit`'s growth, solved for every slot)."""
         if self.cuts == 0 or self._cut_to >= self.max_slots:  # never cut, or one slot "cut" to one
             return 0.0
-        regrown_at = self._cut_at + HOLD_S + (self.max_slots - self._cut_to) / (GROWTH_PER_S * self.max_slots)
+        regrowth_s = self._plateau_s() + ((self.max_slots - self._peak) / self._growth) ** (1 / 3)
+        regrown_at = self._cut_at + HOLD_S + regrowth_s
         return max(0.0, min(now, regrown_at) - self._cut_at)  # 0 for a `now` read before the cut (another thread)
 
     def on_late(self, streams: int, now: float) -> bool:
@@ -64,7 +80,8 @@ class StreamLimit:
         if now - self._cut_at < CUT_INTERVAL_S:
             return False
         self._limited_before += self._limited_since_cut(now)  # the last cut's time below the slots, up to this one
-        self._cut_to = max(1.0, BACKOFF * min(float(streams), self.limit(now)))
+        self._peak = max(1.0, min(float(streams), self.limit(now)))
+        self._cut_to = max(1.0, BACKOFF * self._peak)
         self._cut_at = now
         self.cuts += 1
         return True

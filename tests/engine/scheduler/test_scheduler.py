@@ -30,8 +30,8 @@ from qwen3tts_agent.engine.scheduler.step_timing import (
 )
 from qwen3tts_agent.engine.scheduler.stream_limit import (
     BACKOFF,
+    CUBIC_SCALE,
     CUT_INTERVAL_S,
-    GROWTH_PER_S,
     HOLD_S,
     StreamLimit,
 )
@@ -298,8 +298,16 @@ def test_late_chunks_are_counted_and_several_are_evidence_of_load_for_a_while() 
 
 
 
+def regrowth_s(peak: float, slots: int) -> float:
+    """Seconds from a cut with `peak` streams there until the limit is back at every slot: the hold, CUBIC's `K`
+    (back at the peak) and the cubic's climb from the peak to the slots."""
+    growth = CUBIC_SCALE * slots
+    return HOLD_S + ((peak - BACKOFF * peak) / growth) ** (1 / 3) + ((slots - peak) / growth) ** (1 / 3)
+
+
 def test_late_chunks_cut_the_limit_to_a_fraction_of_the_streams_there_then_it_grows_back_to_every_slot() -> None:
-    limit = StreamLimit(max_slots=200)
+    slots = 200
+    limit = StreamLimit(max_slots=slots)
     assert limit.limit(0.0) == 200 and not limit.refuses(300, 0.0)  # off: requests may wait for a slot
     assert limit.on_late(streams=100, now=10.0)
     assert limit.limit(10.0) == pytest.approx(BACKOFF * 100)
@@ -307,11 +315,17 @@ def test_late_chunks_cut_the_limit_to_a_fraction_of_the_streams_there_then_it_gr
     # more late chunks of the same excess do not cut again within the interval
     assert not limit.on_late(streams=95, now=10.0 + CUT_INTERVAL_S / 2)
     assert limit.limit(10.0 + HOLD_S) == pytest.approx(BACKOFF * 100)  # held, then it grows
-    after = 10.0 + HOLD_S + 1.0
-    assert limit.limit(after) == pytest.approx(BACKOFF * 100 + GROWTH_PER_S * 200)
+    # as CUBIC's window: back at the 100 streams of the cut after K seconds, flat around them, steep away from them
+    growth = CUBIC_SCALE * slots
+    back = 10.0 + HOLD_S + ((100 - BACKOFF * 100) / growth) ** (1 / 3)
+    assert limit.limit(back) == pytest.approx(100)
+    assert 99 < limit.limit(back - 0.2) < 100 < limit.limit(back + 0.2) < 101
+    assert limit.limit(back - 1.0) < 99 and limit.limit(back + 1.0) > 101
+    after = back + 2.0
+    assert limit.limit(after) == pytest.approx(100 + growth * 2.0**3)
     # lateness that goes on cuts again, from the limit where fewer streams are there than it allows
     assert limit.on_late(streams=150, now=after)
-    assert limit.limit(after) == pytest.approx(BACKOFF * (BACKOFF * 100 + GROWTH_PER_S * 200))
+    assert limit.limit(after) == pytest.approx(BACKOFF * (100 + growth * 2.0**3))
     assert limit.cuts == 2
     assert limit.limit(after + 1000.0) == 200 and not limit.refuses(300, after + 1000.0)  # off again
     assert limit.on_late(streams=0, now=after + 1000.0) and limit.limit(after + 1000.0) == 1  # nor below one
@@ -321,16 +335,17 @@ def test_late_chunks_cut_the_limit_to_a_fraction_of_the_streams_there_then_it_gr
 
 def test_the_seconds_the_limit_spends_below_the_slots_add_up_over_its_cuts() -> None:
     """`limited_seconds` is what a cut cost admission: from the cut until the limit is back at every slot, a cut
-    that comes before the last one's regrowth ends that stretch where it begins its own, and a cut with few streams
-    there (its limit low) costs many more seconds than one near the slots."""
+    that comes before the last one's regrowth ends that stretch where it begins its own. A cut with few streams
+    there (a burst's, say: its limit low) is back at every slot within seconds too, not many times later than one
+    near the slots."""
     slots = 200
     limit = StreamLimit(max_slots=slots)
     assert limit.limited_seconds(50.0) == 0.0  # never cut
     assert limit.on_late(streams=180, now=10.0)
-    regrowth = HOLD_S + (slots - BACKOFF * 180) / (GROWTH_PER_S * slots)
+    regrowth = regrowth_s(180, slots)
     assert limit.limited_seconds(10.0 + regrowth / 2) == pytest.approx(regrowth / 2)
     assert limit.limited_seconds(100.0) == pytest.approx(regrowth)  # back at every slot: the count stops
-    assert limit.limit(10.0 + regrowth) == slots and limit.limit(10.0 + regrowth - 0.01) < slots
+    assert limit.limit(10.0 + regrowth) == pytest.approx(slots) and limit.limit(10.0 + regrowth - 0.01) < slots
     # a second cut inside the first one's regrowth: the first stretch ends there
     second = 10.0 + regrowth / 2
     limit = StreamLimit(max_slots=slots)
@@ -338,13 +353,12 @@ def test_the_seconds_the_limit_spends_below_the_slots_add_up_over_its_cuts() -> 
     before = limit.limit(second)  # regrowing, below the 190 streams there: the second cut starts from it
     assert before < 190 and limit.on_late(streams=190, now=second)
     assert limit.limit(second) == pytest.approx(BACKOFF * before)
-    second_regrowth = HOLD_S + (slots - BACKOFF * before) / (GROWTH_PER_S * slots)
-    assert limit.limited_seconds(1000.0) == pytest.approx(regrowth / 2 + second_regrowth)
-    # a cut with 20 streams there: a low limit, over four times as long below the slots as the cut at 180 (18.7 s)
+    assert limit.limited_seconds(1000.0) == pytest.approx(regrowth / 2 + regrowth_s(before, slots))
+    # a cut with 20 streams there: a low limit, yet back at every slot within 1.3 times the cut at 180's seconds
     few = StreamLimit(max_slots=slots)
     few.on_late(streams=20, now=0.0)
-    assert few.limited_seconds(1000.0) == pytest.approx(HOLD_S + (slots - BACKOFF * 20) / (GROWTH_PER_S * slots))
-    assert few.limited_seconds(1000.0) > 4 * regrowth
+    assert few.limited_seconds(1000.0) == pytest.approx(regrowth_s(20, slots))
+    assert regrowth < few.limited_seconds(1000.0) < 1.3 * regrowth
     one = StreamLimit(max_slots=1)
     assert one.on_late(streams=1, now=0.0) and one.limited_seconds(10.0) == 0.0  # one slot: never below it
 
@@ -373,13 +387,14 @@ def test_late_chunks_make_the_scheduler_refuse_past_fewer_streams_not_every_new_
     assert scheduler.refusal_reason(late_at) is None  # eight left: a new stream takes a place
     start(scheduler, make_request("next"), [5, 6], now=late_at)
     assert scheduler.refusal_reason(late_at) == LATE_CHUNKS
-    # the evidence fades within a second; held, then growing, the limit lets a tenth stream in once it is 10 ...
+    # the evidence fades within a second; held, then growing, the limit lets a tenth stream in once it is back at
+    # the ten streams of the cut ...
     assert not scheduler.load.late_chunks(late_at + LATE_WINDOW_S + 0.01)
-    tenth = late_at + HOLD_S + (10 - BACKOFF * len(live)) / (GROWTH_PER_S * slots)
-    assert scheduler.refusal_reason(tenth - 0.01) == LATE_CHUNKS and scheduler.refusal_reason(tenth + 0.01) is None
+    tenth = late_at + HOLD_S + ((len(live) - BACKOFF * len(live)) / (CUBIC_SCALE * slots)) ** (1 / 3)
+    assert scheduler.refusal_reason(tenth - 0.1) == LATE_CHUNKS and scheduler.refusal_reason(tenth + 0.1) is None
     # ... and is back at every slot, and off, a few seconds after the cut
-    regrown = late_at + HOLD_S + (slots - BACKOFF * len(live)) / (GROWTH_PER_S * slots)
-    assert scheduler.stream_limit.limit(regrown - 0.01) < slots == scheduler.stream_limit.limit(regrown)
+    regrown = late_at + regrowth_s(len(live), slots)
+    assert scheduler.stream_limit.limit(regrown - 0.01) < slots == scheduler.stream_limit.limit(regrown + 1e-6)
 
 
 def test_slow_steps_make_the_scheduler_refuse_new_streams() -> None:
@@ -513,12 +528,25 @@ def test_the_step_clock_spaces_batched_steps_and_first_frame_steps_do_not_tick_i
     assert pacer.clock_due(0.0)  # no batched step yet
     pacer.launched(8, 1.0)
     assert not pacer.clock_due(1.019) and pacer.clock_due(1.02)
+    assert not pacer.clock_due(1.004, period_s=0.005) and pacer.clock_due(1.005, period_s=0.005)  # a shorter period
     pacer.completed(0.005)
     pacer.launched(4, 1.01, batched=False)  # a step of new streams' first frames: not a tick
     assert pacer.clock_due(1.02)
     assert StepPacer().clock_due(float("-inf"))  # period 0: the clock never holds a step back
     with pytest.raises(ValueError):
         StepPacer(step_period_s=-0.01)
+
+
+def test_the_clocks_period_shrinks_with_the_slots_left_from_three_quarters_held_to_none_at_full_slots() -> None:
+    scheduler = make_scheduler(max_slots=8)
+    periods = []
+    for i in range(9):  # the ninth waits for a slot
+        periods.append(scheduler.clock_period(0.02))
+        start(scheduler, make_request(f"r{i}"), [5, 6])
+    periods.append(scheduler.clock_period(0.02))
+    assert len(scheduler.waiting) == 1
+    # 0..6 of 8 held: the period; 7 held: a half of it (1/8 left of the last quarter's 2/8); 8 held and more: none
+    assert periods == pytest.approx([0.02] * 7 + [0.01, 0.0, 0.0])
 
 
 def test_batched_steps_keep_to_the_clock_under_load_unless_they_carry_a_first_frame() -> None:
