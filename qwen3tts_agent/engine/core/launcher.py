@@ -106,11 +106,21 @@ class StepLauncher:
         period = self.pacer.step_period_s
         self._move_settled(now)
         rows = self.scheduler.first_frame_rows(now, period)
-        if not rows:
+        if not rows or self._batched_step_pressed(now, period):
             return False
         self._queue_step(rows, now, batched=False)
         self.stats.first_frame_steps += 1
         return True
+
+    def _batched_step_pressed(self, now: float, period: float) -> bool:
+        """Whether a stream's next chunk needs the batched step now (`Scheduler.pace_release` has come): new
+        streams' first frames then wait for it rather than take its place in flight. Otherwise a burst of
+        arrivals, each first frame a small step right behind the last, keeps every place in flight and the
+        batched step off the device until the older streams' chunks leave late (first seen in the late-chunk
+        stories of a burst on an idle server: 140 ms of first-frame steps and no batched step)."""
+        if self._release is None:  # until the next step, collect or delivery changes a stream's need
+            self._release = self.scheduler.pace_release(self.scheduler.runnable(), now, period)
+        return now >= self._release
 
     def _move_settled(self, now: float) -> None:
         """Move the streams that leave the first-frame slots (`Scheduler.moves`): copies on the steps' stream,

@@ -1,0 +1,101 @@
+"""`StepLauncher` with steps that stay in flight, as a GPU's do: new streams' first frames take a place in flight
+only while no older stream's next chunk needs the batched step.
+
+A CPU runs each step before `queue` returns, so two steps are never in flight there and the case cannot arise
+in an engine on this machine; the device's parts are stood in for here (steps that stay queued until read, no
+audio in flight), and the scheduler, the pacer and the launcher are the engine's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from qwen3tts_agent.engine.core.config import CoreStats
+from qwen3tts_agent.engine.core.late_trace import LateChunkTrace
+from qwen3tts_agent.engine.core.launcher import StepLauncher
+from qwen3tts_agent.engine.runner.steps import QueuedStep
+from qwen3tts_agent.engine.scheduler import StepPacer
+from tests.engine.scheduler.test_scheduler import _under_load, make_request, make_scheduler, start
+
+
+class NeverDone:
+    """A step's end event on a device that is still running it."""
+
+    def query(self) -> bool:
+        return False
+
+
+class StepsInFlight:
+    """`FrameSteps` without a device: every step queued stays in flight (none completes during the test)."""
+
+    def __init__(self) -> None:
+        self.queued: list[QueuedStep] = []
+
+    def queue(
+        self, seq: int, rows: list[Any], slots: list[int], kv_len: int, sampling: Any, *, batched: bool = True
+    ) -> QueuedStep:
+        step = QueuedStep(seq, rows, slots, max(slots) + 1, torch.zeros(0), None, NeverDone(), batched)  # type: ignore[arg-type]
+        self.queued.append(step)
+        return step
+
+    def completed(self) -> Iterator[QueuedStep]:
+        return iter(())
+
+
+class NoAudioInFlight:
+    """The audio pipeline's answers to the launcher when no chunk is decoding."""
+
+    def urgent(self, now: float, within_s: float) -> bool:
+        return False
+
+    def first_audio_in_flight(self) -> bool:
+        return False
+
+    def wait_for_first_audio(self, timeout_s: float, older_than_s: float) -> bool:
+        return False
+
+
+class NoRunner:
+    def move_slot(self, src: int, dst: int, positions: int, text_tokens: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pressed", [False, True], ids=["older_streams_with_slack", "an_older_chunk_due"])
+def test_a_new_streams_first_frame_waits_for_the_batched_step_only_when_an_older_chunk_needs_it(pressed: bool) -> None:
+    """Two new streams arrive one after the other while two older ones play. The first's frame goes in a step of
+    its own; the second's goes right behind it (both places in flight taken) while the older streams have slack.
+    Once an older stream's next chunk needs a frame now, the second's first frame waits and the batched step
+    takes that place (before, a burst's first-frame steps kept both places for 140 ms: chunks left late)."""
+    scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
+    _, older = _under_load(scheduler)
+    steps = StepsInFlight()
+    launcher = StepLauncher(
+        scheduler, NoRunner(), steps, StepPacer(step_period_s=0.02), NoAudioInFlight(),  # type: ignore[arg-type]
+        CoreStats(), {}, LateChunkTrace(),
+    )
+    now = time.perf_counter()
+    for r in older:  # one 1-frame chunk heard; the next due 0.3 s on (`pressed`) or 10 s on
+        r.first_audio, r.delivered_frames = now + (0.22 if pressed else 10.0), 1
+    first, second = make_request("first"), make_request("second")
+    start(scheduler, first, [5, 6], now=now)
+    assert first.slot == 0
+    launcher.launch()
+    assert [(s.batched, s.rows) for s in steps.queued] == [(False, [first])]
+    release = scheduler.pace_release(scheduler.runnable(), time.perf_counter(), 0.02)
+    assert release > time.perf_counter()  # the older streams' chunks could still wait for a batched step
+    if pressed:  # until they cannot
+        time.sleep(max(0.0, release - time.perf_counter()) + 0.001)
+    start(scheduler, second, [5, 6], now=time.perf_counter())
+    assert second.slot == 1 and scheduler.first_frame_rows(time.perf_counter(), 0.02) == [second]
+    launcher.launch()
+    assert len(steps.queued) == 2  # both places in flight are taken
+    last = steps.queued[-1]
+    if pressed:
+        assert last.batched and set(older) <= set(last.rows) and second in last.rows
+    else:
+        assert not last.batched and last.rows == [second]
