@@ -116,8 +116,8 @@ class StepLauncher:
         """Whether a stream's next chunk needs the batched step now (`Scheduler.pace_release` has come): new
         streams' first frames then wait for it rather than take its place in flight. Otherwise a burst of
         arrivals, each first frame a small step right behind the last, keeps every place in flight and the
-        batched step off the device until the older streams' chunks leave late (first seen in the late-chunk
-        stories of a burst on an idle server: 140 ms of first-frame steps and no batched step)."""
+        batched step off the device until the older streams' chunks leave late (the late-chunk stories of a
+        burst on an idle server: benchmarks/results/2026-12-07-h100-burst-first-frames)."""
         if self._release is None:  # until the next step, collect or delivery changes a stream's need
             self._release = self.scheduler.pace_release(self.scheduler.runnable(), now, period)
         return now >= self._release

@@ -70,7 +70,7 @@ def test_a_new_streams_first_frame_waits_for_the_batched_step_only_when_an_older
     """Two new streams arrive one after the other while two older ones play. The first's frame goes in a step of
     its own; the second's goes right behind it (both places in flight taken) while the older streams have slack.
     Once an older stream's next chunk needs a frame now, the second's first frame waits and the batched step
-    takes that place (before, a burst's first-frame steps kept both places for 140 ms: chunks left late)."""
+    takes that place (before, a burst's first-frame steps kept both places for 174 ms: chunks left late)."""
     scheduler = make_scheduler(max_slots=8, max_prefill_rows=8, first_frame_slots=2)
     _, older = _under_load(scheduler)
     steps = StepsInFlight()
