@@ -153,7 +153,7 @@ def test_a_client_reaches_a_core_within_a_few_milliseconds_of_its_binding(tmp_pa
 
     context = zmq.Context.instance()
     delays = []
-    for attempt in range(5):
+    for attempt in range(8):  # ZeroMQ's 100 ms: each over 50 ms with a chance of one in two
         address = f"ipc://{tmp_path}/late-core-{attempt}.sock"
         link = _Link(address, on_message=lambda frames: None, dead_after_s=60.0)
         router = context.socket(zmq.ROUTER)
@@ -168,7 +168,7 @@ def test_a_client_reaches_a_core_within_a_few_milliseconds_of_its_binding(tmp_pa
         finally:
             router.close()
             link.close()
-    assert max(delays) < 0.03, delays
+    assert max(delays) < 0.05, delays
 
 
 def test_a_stopped_supervisor_leaves_no_core_and_no_socket_file(tmp_path) -> None:
