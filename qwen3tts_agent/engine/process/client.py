@@ -49,8 +49,9 @@ PING_INTERVAL_S = 0.5
 GIVE_UP_POLL_S = 0.5  # how often a waiting `connect` asks its `give_up`
 
 
-class _Link:
-    """The client's socket and its I/O thread."""
+class CoreLink:
+    """An engine client's link to the core: its socket and the I/O thread that says hello until a core welcomes it,
+    pings it, and notices when it goes silent or away."""
 
     def __init__(self, address: str, on_message: Any, dead_after_s: float) -> None:
         self.address = address
@@ -154,7 +155,7 @@ class _Link:
 class EngineClient(EngineFrontend):
     """The engine's API over an engine-core process. Create with `EngineClient.connect(address)`."""
 
-    def __init__(self, link: _Link, welcome: dict[str, Any]) -> None:
+    def __init__(self, link: CoreLink, welcome: dict[str, Any]) -> None:
         super().__init__(
             welcome["info"], TextTokenizer(welcome["tokenizer"]),
             max_queue=welcome["max_queue"], max_text_chars=welcome["max_text_chars"],
@@ -190,7 +191,7 @@ class EngineClient(EngineFrontend):
                 link.connected = True
                 welcomed.set_result(pickle.loads(frames[1]))
 
-        link = _Link(address, on_message, dead_after_s)
+        link = CoreLink(address, on_message, dead_after_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())

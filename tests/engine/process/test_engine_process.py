@@ -149,13 +149,13 @@ def test_a_client_reaches_a_core_within_a_few_milliseconds_of_its_binding(tmp_pa
     do, or a session on a late one is told `not_ready` while /ready on another says 200. A client's hellos queue
     while no core is there and leave as its socket connects, which it tries every `RECONNECT_INTERVAL_MS`
     (ZeroMQ's default, 100 ms, let clients of one restarted core come back up to ~150 ms apart)."""
-    from qwen3tts_agent.engine.process.client import _Link
+    from qwen3tts_agent.engine.process.client import CoreLink
 
     context = zmq.Context.instance()
     delays = []
     for attempt in range(8):  # ZeroMQ's 100 ms: each over 50 ms with a chance of one in two
         address = f"ipc://{tmp_path}/late-core-{attempt}.sock"
-        link = _Link(address, on_message=lambda frames: None, dead_after_s=60.0)
+        link = CoreLink(address, on_message=lambda frames: None, dead_after_s=60.0)
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         try:
