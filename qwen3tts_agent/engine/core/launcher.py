@@ -118,9 +118,14 @@ class StepLauncher:
         arrivals, each first frame a small step right behind the last, keeps every place in flight and the
         batched step off the device until the older streams' chunks leave late (the late-chunk stories of a
         burst on an idle server: benchmarks/results/2026-12-07-h100-burst-first-frames)."""
-        if self._release is None:  # until the next step, collect or delivery changes a stream's need
-            self._release = self.scheduler.pace_release(self.scheduler.runnable(), now, period)
-        return now >= self._release
+        return now >= self._pace_release(now, period)
+
+    def _pace_release(self, now: float, period: float, rows: list[RequestState] | None = None) -> float:
+        """`Scheduler.pace_release` of `rows` (by default the runnable ones), worked out once until the next step,
+        collect or delivery changes a stream's need."""
+        if self._release is None:
+            self._release = self.scheduler.pace_release(self.scheduler.runnable() if rows is None else rows, now, period)
+        return self._release
 
     def _move_settled(self, now: float) -> None:
         """Move the streams that leave the first-frame slots (`Scheduler.moves`): copies on the steps' stream,
@@ -149,12 +154,9 @@ class StepLauncher:
         held = early or (
             may_hold and (step_timing.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
         )
-        if held:
-            if self._release is None:  # until the next step, collect or delivery changes a stream's need
-                self._release = self.scheduler.pace_release(rows, now, period)
-            if now < self._release:
-                self._waited_for_audio |= not early
-                return False
+        if held and now < self._pace_release(now, period, rows):
+            self._waited_for_audio |= not early
+            return False
         if self._early_release is None:  # while new streams step in the first-frame slots, it waits for them
             self._early_release = self.scheduler.early_release(rows, now, period)
         if now < self._early_release:

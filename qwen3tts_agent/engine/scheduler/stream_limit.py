@@ -38,27 +38,20 @@ class StreamLimit:
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
         self.max_slots = max_slots
+        self._growth = CUBIC_SCALE * max_slots  # CUBIC's `C`: streams per second cubed
         self._peak = float(max_slots)  # the streams there at the last cut (CUBIC's W_max)
         self._cut_to = float(max_slots)  # the limit's value at its last cut
+        self._plateau_s = 0.0  # CUBIC's `K`: seconds of growth (after `HOLD_S`) from the cut back to the peak
         self._cut_at = float("-inf")  # when that was (never: no limit below the slots)
         self.cuts = 0  # how many times late chunks lowered it (stats)
         self._limited_before = 0.0  # seconds the limit was below the slots before its last cut (stats)
-
-    @property
-    def _growth(self) -> float:
-        """CUBIC's `C`: streams per second cubed."""
-        return CUBIC_SCALE * self.max_slots
-
-    def _plateau_s(self) -> float:
-        """CUBIC's `K`: the seconds of growth (after `HOLD_S`) that take the limit from its cut back to the peak."""
-        return (max(0.0, self._peak - self._cut_to) / self._growth) ** (1 / 3)
 
     def limit(self, now: float) -> float:
         """The streams that may hold or wait for a slot at `now` (the slots, unless a recent cut says fewer)."""
         grown_s = now - self._cut_at - HOLD_S
         if grown_s <= 0:
             return min(float(self.max_slots), self._cut_to)
-        return min(float(self.max_slots), self._peak + self._growth * (grown_s - self._plateau_s()) ** 3)
+        return min(float(self.max_slots), self._peak + self._growth * (grown_s - self._plateau_s) ** 3)
 
     def limited_seconds(self, now: float) -> float:
         """Seconds the limit has spent below the slots up to `now`, all cuts together (stats): with `cuts`, how
@@ -69,7 +62,7 @@ class StreamLimit:
         """The last cut's seconds below the slots, up to `now` (`limit`'s growth, solved for every slot)."""
         if self.cuts == 0 or self._cut_to >= self.max_slots:  # never cut, or one slot "cut" to one
             return 0.0
-        regrowth_s = self._plateau_s() + ((self.max_slots - self._peak) / self._growth) ** (1 / 3)
+        regrowth_s = self._plateau_s + ((self.max_slots - self._peak) / self._growth) ** (1 / 3)
         regrown_at = self._cut_at + HOLD_S + regrowth_s
         return max(0.0, min(now, regrown_at) - self._cut_at)  # 0 for a `now` read before the cut (another thread)
 
@@ -82,6 +75,7 @@ class StreamLimit:
         self._limited_before += self._limited_since_cut(now)  # the last cut's time below the slots, up to this one
         self._peak = max(1.0, min(float(streams), self.limit(now)))
         self._cut_to = max(1.0, BACKOFF * self._peak)
+        self._plateau_s = ((self._peak - self._cut_to) / self._growth) ** (1 / 3)
         self._cut_at = now
         self.cuts += 1
         return True
