@@ -9,8 +9,9 @@
 # and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
-# budget-1.7b (the device time one 1.7B utterance costs a loaded engine, by part: benchmarks/engine/bench_device_budget.py;
-# BUDGET_STREAMS slots, default 256; an H100 holds 192 beside the official model),
+# budget-1.7b and budget-0.6b (the device time one utterance costs a loaded engine, by part:
+# benchmarks/engine/bench_device_budget.py; BUDGET_STREAMS slots, default 256; an H100 holds 192 of 1.7B beside
+# the official model, 224 of 0.6B),
 # load-1.7b and load-0.6b (through `serve` from client processes: benchmarks/serving/load.py; LOAD_RATES, LOAD_HELD,
 # LOAD_WINDOW, LOAD_TRANSPORTS override the rates, streams held, window seconds and transports; LOAD_SERVER_ARGS
 # adds `serve` options, e.g. "--workers=2"; LOAD_TAG suffixes the reports' names (a second run beside the
@@ -162,8 +163,9 @@ for stage in "$@"; do
                    2>&1 | tee "$out/first-audio${FIRST_AUDIO_TAG:-}.log" ;;
     single-0.6b) official -m benchmarks.engine.bench_engine --model synthetic:0.6b --single-only $flags $pdl \
                    --out "$out/single-0.6b.json" 2>&1 | tee "$out/single-0.6b.log" ;;
-    budget-1.7b) official -m benchmarks.engine.bench_device_budget --model synthetic:1.7b-customvoice \
-                   --max-streams ${BUDGET_STREAMS:-256} --out "$out/budget-1.7b.json" 2>&1 | tee "$out/budget-1.7b.log" ;;
+    budget-1.7b|budget-0.6b) model=synthetic:${stage#budget-}; [ "$stage" = budget-1.7b ] && model+=-customvoice
+                   official -m benchmarks.engine.bench_device_budget --model "$model" \
+                   --max-streams ${BUDGET_STREAMS:-256} --out "$out/$stage.json" 2>&1 | tee "$out/$stage.log" ;;
     load-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
                official -m benchmarks.serving.load --model synthetic:1.7b-customvoice --rates ${LOAD_RATES:-1 20 40 80} \
                  --held ${LOAD_HELD:-} --transports ${LOAD_TRANSPORTS:-ws http} --http-rates ${LOAD_HTTP_RATES:-20} \

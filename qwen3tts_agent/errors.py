@@ -62,5 +62,10 @@ class EngineDeadError(Qwen3TTSAgentError):
     """The engine's core stopped (a crash, a device fault): streams it held end with this error."""
 
 
+class DeviceMemoryError(Qwen3TTSAgentError):
+    """The device ran out of memory setting an engine up (its stream slots' CUDA graphs); the message says what
+    to start it with instead."""
+
+
 class EngineNotReadyError(Qwen3TTSAgentError):
     """The engine cannot take requests right now (its core is starting or restarting); retry shortly."""

@@ -49,10 +49,18 @@ def test_the_search_stops_after_its_steps() -> None:
     assert search.passing == 40 and search.failing is None
 
 
-def test_a_failing_first_rate_ends_the_search_with_no_capacity() -> None:
-    search = _search(lambda rate: False)
-    assert _rates(search) == [10]
-    assert search.passing is None
+def test_a_failing_first_rate_halves_until_one_passes_then_bisects() -> None:
+    """`--capacity-from 100` on an H100 whose 100 req/s window refused 1.5 % (the next window at 100 passed) ended
+    the search with no capacity at all; a start above the capacity now comes down to it."""
+    search = _search(lambda rate: rate <= 70, start=100)
+    assert _rates(search) == [100, 50, 75, 62.5, 68.75]  # 68.75 | 75 within a tenth of 68.75: done
+    assert search.passing == 68.75 and search.failing == 75
+
+
+def test_a_server_that_passes_nothing_is_probed_lower_until_the_steps_are_spent() -> None:
+    search = _search(lambda rate: False, max_steps=4)
+    assert _rates(search) == [10, 5, 2.5, 1.25]
+    assert search.passing is None and search.next_rate() is None
 
 
 def test_every_rate_above_the_highest_passing_one_failed() -> None:

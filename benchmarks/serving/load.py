@@ -19,8 +19,9 @@ once, and more playing, the faster the server (the held figures before 2026-12-0
 `--capacity` searches instead for the highest open-loop rate the server serves well: at most 1 % of requests
 refused (any error), at most 1 % of served streams underrunning and first audio p95 <= 100 ms (each a
 `--capacity-*` option). One window per probed rate on the first of `--transports`, with the server kept running
-and idle (no stream open or queued) before each: from `--capacity-from` req/s, doubling while the windows pass,
-then halving the gap between the highest passing and the lowest failing rate until it is under
+and idle (no stream open or queued) before each: from `--capacity-from` req/s, doubling while the windows pass
+(halving while they fail, should the first fail), then halving the gap between the highest passing and the lowest
+failing rate until it is under
 `--capacity-resolution` of the passing rate or `--capacity-steps` windows have run. The report's `capacity`
 section has that rate, the frames a second it served, and each probe with the criteria it missed (their
 windows are in `runs`).
@@ -379,8 +380,9 @@ def missed_criteria(figures: dict[str, float | None], limits: dict[str, float]) 
 
 class CapacitySearch:
     """The highest open-loop rate whose window passes, in few windows (each costs a warm-up, a window and a
-    drain): from `start`, double while windows pass, then bisect between the highest passing and the lowest
-    failing rate until that gap is under `resolution` times the passing rate or `max_steps` windows have run.
+    drain): from `start`, double while windows pass (halve while they fail, if the first did: a start above the
+    capacity still finds it), then bisect between the highest passing and the lowest failing rate until that gap
+    is under `resolution` times the passing rate or `max_steps` windows have run.
     No I/O, so that the rule is tested on its own: `next_rate` says what to probe, `record` takes the outcome.
     Bisection only probes between the two, so every rate above the highest passing one that ran failed."""
 
@@ -404,13 +406,16 @@ class CapacitySearch:
         return min((rate for rate, passed in self.probes if not passed), default=None)
 
     def next_rate(self) -> float | None:
-        """The rate to probe next, or None when the search is done (the first rate failed, the gap is within
-        the resolution, or the windows are spent)."""
+        """The rate to probe next, or None when the search is done (the gap is within the resolution, or the
+        windows are spent)."""
         if not self.probes:
             return self.start
         passing, failing = self.passing, self.failing
-        if passing is None or len(self.probes) >= self.max_steps:
+        if len(self.probes) >= self.max_steps:
             return None
+        if passing is None:
+            assert failing is not None  # a window ran and did not pass
+            return failing / 2
         if failing is None:
             return 2 * passing
         if failing - passing < self.resolution * passing:

@@ -23,6 +23,7 @@ import torch
 
 from ...backends import resolve_backend
 from ...errors import (
+    DeviceMemoryError,
     EngineClosedError,
     EngineDeadError,
     EngineNotReadyError,
@@ -146,6 +147,27 @@ def slots_fit(max_streams: int, per_slot: int, memory: int, source: str) -> None
             f"({source}): use at most {int(budget // per_slot)} slots, fewer positions a stream (max_seq_len), "
             "or max_streams 'auto'"
         )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the device running out of memory: PyTorch's `OutOfMemoryError` from its allocator, or the
+    CUDA error a graph capture raises instead (an `AcceleratorError` that names it)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, torch.AcceleratorError) and "out of memory" in str(error)
+    )
+
+
+def graphs_out_of_memory(max_streams: int, max_seq_len: int, per_slot: int) -> DeviceMemoryError:
+    """The error for a device that ran out of memory capturing the graphs of `max_streams` slots of `per_slot`
+    bytes. `slots_fit` leaves a fifth of the memory for the graphs and their work space, which grow with the slots
+    too: 512 slots of 0.6B at 768 positions passed it on an H100 and ran out mid-capture with CUDA's bare "out
+    of memory" (benchmarks/results/2026-12-07-h100-capacity-burst-fixed), which says nothing of what would fit."""
+    return DeviceMemoryError(
+        f"the device ran out of memory capturing the CUDA graphs for {max_streams} stream slots of {max_seq_len} "
+        f"positions (the slots take {max_streams * per_slot / 2**30:.1f} GiB, {per_slot / 2**20:.0f} MiB each, and "
+        "the graphs' work space grows with them): use fewer slots (max_streams), fewer positions a stream "
+        "(max_seq_len), or max_streams 'auto'"
+    )
 
 
 class Engine(EngineFrontend):
@@ -428,7 +450,7 @@ class Engine(EngineFrontend):
             self._restarts += 1
             self._thread = self._start(core)
             if self._graphs_wanted:
-                core.call(lambda: core.capture_graphs(progress=False)).result()
+                self._capture_graphs(core, progress=False)
         logger.warning("engine core restarted (%d restarts so far)", self._restarts)
 
     # ----------------------------------------------------------------- status and lifecycle
@@ -472,7 +494,7 @@ class Engine(EngineFrontend):
         core = self.core
         if not core.graphs_captured:
             self._graphs_wanted = True
-            core.call(lambda: core.capture_graphs(progress)).result()
+            self._capture_graphs(core, progress)
         started = time.perf_counter()
         voice = Voice()
         if self.model_type == "base":
@@ -484,6 +506,18 @@ class Engine(EngineFrontend):
         self.synthesize_blocking("Warm up.", voice=voice, sampling=SamplingParams(max_frames=frames, ignore_eos=True))
         logger.info("warm-up utterance: voice %.1f s, %d frames %.1f s", encoded - started, frames,
                     time.perf_counter() - encoded)
+
+    def _capture_graphs(self, core: EngineCore, progress: bool) -> None:
+        """Capture the core's CUDA graphs; should the device run out of memory for them, say what would fit."""
+        try:
+            core.call(lambda: core.capture_graphs(progress)).result()
+        except (torch.OutOfMemoryError, torch.AcceleratorError) as error:
+            if not is_out_of_memory(error):
+                raise
+            config = self._config
+            raise graphs_out_of_memory(
+                config.max_streams, config.max_seq_len, slot_bytes(self.model, config.max_seq_len)
+            ) from error
 
     def close(self) -> None:
         """Stop the core; open streams end with EngineClosedError."""

@@ -8,8 +8,17 @@ free memory as its own. The arithmetic is checked here; its use on a GPU needs o
 from __future__ import annotations
 
 import pytest
+import torch
 
-from qwen3tts_agent.engine.frontend.engine import AUTO_MEMORY_FRACTION, Engine, memory_for_slots, slots_fit
+from qwen3tts_agent.engine.frontend.engine import (
+    AUTO_MEMORY_FRACTION,
+    Engine,
+    graphs_out_of_memory,
+    is_out_of_memory,
+    memory_for_slots,
+    slots_fit,
+)
+from qwen3tts_agent.errors import DeviceMemoryError
 from qwen3tts_agent.ray.settings import RayServeSettings
 
 GIB = 2**30
@@ -75,3 +84,44 @@ def test_a_stream_slot_of_no_positions_is_refused(positions: int) -> None:
 def test_a_share_outside_zero_to_one_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match="device_share"):
         Engine.load("synthetic:tiny", device="cpu", progress=False, device_share=share)
+
+
+@pytest.mark.parametrize(("error", "out_of_memory"), [
+    (torch.AcceleratorError("CUDA error: out of memory"), True),  # what a graph capture raised on the H100
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),  # the caching allocator's
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), False),
+    (RuntimeError("out of memory"), False),  # not the device's
+])
+def test_the_device_running_out_of_memory_is_told_from_other_faults(error: BaseException, out_of_memory: bool) -> None:
+    assert is_out_of_memory(error) is out_of_memory
+
+
+def test_graphs_that_do_not_fit_say_what_the_slots_took_and_what_would_help() -> None:
+    """512 slots of 0.6B at 768 positions passed `slots_fit` on an H100 and died capturing their graphs with CUDA's
+    bare "out of memory"; the engine now raises this instead (on a GPU: benchmarks/results)."""
+    error = graphs_out_of_memory(512, 768, 115 * 2**20)
+    assert isinstance(error, DeviceMemoryError)
+    assert "512 stream slots of 768 positions" in str(error)
+    assert "57.5 GiB, 115 MiB each" in str(error)
+    assert "max_streams" in str(error) and "max_seq_len" in str(error)
+
+
+def test_an_engine_whose_graphs_run_out_of_memory_raises_the_error_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the core's own thread, as `warmup` and a restarted core capture (a device's out-of-memory error is
+    the one thing stood in for: a CPU has no graphs to capture); any other fault passes through unchanged."""
+    engine = Engine.load("synthetic:tiny", device="cpu", progress=False, max_streams=3, max_seq_len=256)
+    try:
+        def capture(fault: BaseException) -> None:
+            def fail(progress: bool) -> None:
+                raise fault
+            monkeypatch.setattr(engine.core, "capture_graphs", fail)
+
+        capture(torch.AcceleratorError("CUDA error: out of memory"))
+        with pytest.raises(DeviceMemoryError, match="3 stream slots of 256 positions") as raised:
+            engine._capture_graphs(engine.core, progress=False)
+        assert isinstance(raised.value.__cause__, torch.AcceleratorError)
+        capture(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+        with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+            engine._capture_graphs(engine.core, progress=False)
+    finally:
+        engine.close()
