@@ -248,7 +248,7 @@ class EngineCore:
 
     def _wait(self) -> None:
         """Nothing moved this turn: wait for a message, briefly while the device works, else until one comes."""
-        busy = bool(self.steps) or self.audio.busy or bool(self.scheduler.runnable())
+        busy = bool(self.steps) or self.audio.busy or self.scheduler.has_runnable()
         self._apply_messages(block=True, timeout=self.config.poll_interval_s if busy else None)
 
     def _apply_messages(self, *, block: bool, timeout: float | None = None) -> None:

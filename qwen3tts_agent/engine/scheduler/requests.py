@@ -116,9 +116,10 @@ class RequestState:
     @property
     def frame_limit(self) -> int | None:
         """Frames this request may make: its max_frames and, once all text is in, the runaway guard's bound."""
-        guard = runaway_frame_limit(len(self.text_ids)) if self.closed and self.runaway_guard else None
-        limits = [limit for limit in (self.max_frames, guard) if limit is not None]
-        return min(limits) if limits else None
+        if not (self.closed and self.runaway_guard):  # asked for every live row many times a second: no lists
+            return self.max_frames
+        guard = runaway_frame_limit(len(self.text_ids))
+        return guard if self.max_frames is None else min(self.max_frames, guard)
 
     def ahead_s(self, now: float) -> float | None:
         """Seconds of audio made beyond the listener's playback position; None before its first chunk."""

@@ -402,6 +402,11 @@ class Scheduler:
         """Requests that can take one more frame now: prompt done, frame budget and cache room left, text known."""
         return [request for request in self.running.values() if self._can_step(request)]
 
+    def has_runnable(self) -> bool:
+        """Whether any request can take a frame now (`runnable`, without listing them: the core asks on every
+        turn it would wait, with hundreds of rows live)."""
+        return any(self._can_step(request) for request in self.running.values())
+
     def _can_step(self, request: RequestState) -> bool:
         limit = request.frame_limit
         return (

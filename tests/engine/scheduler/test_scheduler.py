@@ -152,15 +152,18 @@ def test_text_track_feeds_new_text_then_the_end_once() -> None:
 
 def test_a_stream_steps_only_while_it_has_text() -> None:
     scheduler = make_scheduler()
+    assert not scheduler.has_runnable()
     r = make_request("r")
     start(scheduler, r, [5, 6, 7], closed=False)  # track: 6, 7
+    assert scheduler.has_runnable()
     step(scheduler, 0.0)
     step(scheduler, 0.1)
     assert r.frames == 2 and scheduler.runnable() == []  # waits for text instead of padding
+    assert not scheduler.has_runnable()  # what the core asks before it waits: the same answer, without the list
     scheduler.close_input(r, [])
     for ids in scheduler.text_feeds():
         scheduler.on_fed(*ids)
-    assert scheduler.runnable() == [r]
+    assert scheduler.runnable() == [r] and scheduler.has_runnable()
 
 
 def test_chunk_schedule_end_of_speech_and_the_last_chunk() -> None:
@@ -229,6 +232,13 @@ def test_runaway_guard_ends_a_stream_that_never_reaches_end_of_speech() -> None:
     text = [5, 6, 7]
     start(scheduler, r, text)
     assert r.frame_limit == runaway_frame_limit(len(text))
+    unbounded = make_request("u", max_frames=None)
+    assert unbounded.frame_limit is None  # no max_frames, text still open: nothing bounds it yet
+    unbounded.closed = True
+    unbounded.text_ids = text
+    assert unbounded.frame_limit == runaway_frame_limit(len(text))  # then the guard alone
+    unbounded.runaway_guard = False
+    assert unbounded.frame_limit is None
     n = 0
     while scheduler.runnable():
         step(scheduler, 0.0)
