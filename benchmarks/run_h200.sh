@@ -19,7 +19,8 @@
 # py-spy from .whl/tools in each window: benchmarks/serving/profiling.py), capacity-1.7b and capacity-0.6b (the
 # highest rate with <= 1 % refused, <= 1 % underrun, first audio p95 <= 100 ms: load.py --capacity, as the load
 # stages take LOAD_WINDOW (default 30 here), LOAD_TRANSPORTS (the first), LOAD_SERVER_ARGS, LOAD_TAG and LOAD_PROFILE;
-# CAPACITY_ARGS adds options, e.g. "--capacity-from 40 --device-ceiling-frames-per-s 8400"), soak (10,000
+# CAPACITY_ARGS adds options, e.g. "--capacity-from 40"; a budget-1.7b / budget-0.6b stage run before it in the same
+# OUT_DIR gives the device's ceiling beside the capacity), soak (10,000
 # mixed utterances through the server at load: flat RSS, CUDA memory back to its value, metrics that add up;
 # SOAK_UTTERANCES, SOAK_CONCURRENCY), hostile (good clients at 20 req/s of 1.7B-CustomVoice through `serve` beside
 # every kind of hostile client, one SIGKILL of the engine core under load, then every gauge back to 0:
@@ -184,6 +185,7 @@ for stage in "$@"; do
                tar_profile "load-0.6b${LOAD_TAG:-}" ;;
     capacity-1.7b) checkpoint synthetic:1.7b-customvoice > /dev/null
                official -m benchmarks.serving.load --model synthetic:1.7b-customvoice --capacity ${CAPACITY_ARGS:-} \
+                 $( [ -f "$out/budget-1.7b.json" ] && echo --device-budget "$out/budget-1.7b.json" ) \
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-30} --warmup 5 "${server_args[@]}" \
                  --server-log "$out/serve-capacity-1.7b${LOAD_TAG:-}.log" --out "$out/capacity-1.7b${LOAD_TAG:-}.json" 2>&1 \
                  | tee "$out/capacity-1.7b${LOAD_TAG:-}.log"
@@ -192,6 +194,7 @@ for stage in "$@"; do
                official -c "import soundfile as sf; from qwen3tts_agent.reference import demo_reference as d; sf.write('/tmp/ref.wav', *d())"
                ref_text=$(official -c "import benchmarks.engine.bench_engine as b; print(b.REF_TEXT)" | tail -1)
                official -m benchmarks.serving.load --model synthetic:0.6b --capacity ${CAPACITY_ARGS:-} \
+                 $( [ -f "$out/budget-0.6b.json" ] && echo --device-budget "$out/budget-0.6b.json" ) \
                  --transports ${LOAD_TRANSPORTS:-ws} --duration ${LOAD_WINDOW:-30} --warmup 5 "${server_args[@]}" \
                  --server-arg=--default-voice-audio=/tmp/ref.wav "--server-arg=--default-voice-text=$ref_text" \
                  --server-log "$out/serve-capacity-0.6b${LOAD_TAG:-}.log" --out "$out/capacity-0.6b${LOAD_TAG:-}.json" 2>&1 \

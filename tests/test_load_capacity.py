@@ -12,7 +12,13 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.serving.load import LIVE_GAUGES, CapacitySearch, capacity_figures, missed_criteria
+from benchmarks.serving.load import (
+    LIVE_GAUGES,
+    CapacitySearch,
+    capacity_figures,
+    device_ceiling_from_budget,
+    missed_criteria,
+)
 
 LIMITS = {"refused_fraction": 0.01, "underrun_fraction": 0.01, "p95_first_audio_ms": 100.0}
 
@@ -167,3 +173,14 @@ def test_a_load_run_stopped_by_sigterm_stops_the_server_it_started(tmp_path: Pat
         for server in servers:  # this test's failure must not leave a server behind either
             if server.is_running():
                 os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_the_device_ceiling_comes_from_a_budget_report() -> None:
+    """A real budget (1.7B on an H100, the thirtieth session): its most utterances a second are at its fullest
+    frame steps (192 rows) and codec calls (192 chunks), 107.6 a second of 100 frames."""
+    path = (Path(__file__).parent.parent / "benchmarks/results/2026-12-07-h100-epilogues-channels-last"
+            / "call-1-budget-1.7b-epilogues.json")
+    budget = json.loads(path.read_text())
+    fullest = max(budget["budget"], key=lambda row: (row["rows"], row["codec_batch"]))
+    assert device_ceiling_from_budget(path) == fullest["utterances_per_s"] * 100
+    assert round(device_ceiling_from_budget(path)) == 10763

@@ -378,6 +378,14 @@ def missed_criteria(figures: dict[str, float | None], limits: dict[str, float]) 
     return [name for name, limit in limits.items() if (figure := figures[name]) is None or figure > limit]
 
 
+def device_ceiling_from_budget(path: Path) -> float:
+    """The device's ceiling in frames a second from a `benchmarks/engine/bench_device_budget.py` report: its most
+    utterances a second (at its fullest frame steps and codec calls, nothing overlapping, nothing waiting) times
+    its frames an utterance."""
+    budget = json.loads(path.read_text())
+    return max(row["utterances_per_s"] for row in budget["budget"]) * budget["frames"]
+
+
 class CapacitySearch:
     """The highest open-loop rate whose window passes, in few windows (each costs a warm-up, a window and a
     drain): from `start`, double while windows pass (halve while they fail, if the first did: a start above the
@@ -811,10 +819,16 @@ def main() -> None:
     parser.add_argument("--capacity-max-underrun", type=float, default=0.01,
                         help="fraction of served streams that may underrun")
     parser.add_argument("--capacity-p95-ms", type=float, default=100.0, help="first audio p95 limit, ms")
-    parser.add_argument("--device-ceiling-frames-per-s", type=float,
-                        help="the device's measured ceiling (benchmarks/engine/bench_device_budget.py), "
-                             "copied into the capacity section beside the frames served")
+    ceiling = parser.add_mutually_exclusive_group()
+    ceiling.add_argument("--device-ceiling-frames-per-s", type=float,
+                         help="the device's measured ceiling (benchmarks/engine/bench_device_budget.py), "
+                              "copied into the capacity section beside the frames served")
+    ceiling.add_argument("--device-budget", type=Path,
+                         help="bench_device_budget.py's report for this model and device: its ceiling goes beside "
+                              "the frames served (`device_ceiling_from_budget`)")
     args = parser.parse_args()
+    if args.device_budget is not None:
+        args.device_ceiling_frames_per_s = device_ceiling_from_budget(args.device_budget)
     if args.capacity and (args.rates or args.held or args.http_rates):
         parser.error("--capacity picks its own rates: no --rates, --http-rates or --held with it")
     if args.rates is None:
