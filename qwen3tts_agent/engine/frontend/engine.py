@@ -151,9 +151,9 @@ def slots_fit(max_streams: int, per_slot: int, memory: int, source: str) -> None
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is the device running out of memory: PyTorch's `OutOfMemoryError` from its allocator, or the
-    CUDA error a graph capture raises instead (an `AcceleratorError` that names it)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, torch.AcceleratorError) and "out of memory" in str(error)
+    CUDA error a graph capture raises instead (an `AcceleratorError`, a plain `RuntimeError` before torch 2.8)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error)
     )
 
 
@@ -511,7 +511,7 @@ class Engine(EngineFrontend):
         """Capture the core's CUDA graphs; should the device run out of memory for them, say what would fit."""
         try:
             core.call(lambda: core.capture_graphs(progress)).result()
-        except (torch.OutOfMemoryError, torch.AcceleratorError) as error:
+        except RuntimeError as error:
             if not is_out_of_memory(error):
                 raise
             config = self._config
