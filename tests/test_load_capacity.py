@@ -125,6 +125,10 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         # a CPU engine refuses nothing for lateness: its stream limit stays off (at every slot) and is never cut
         gauges = run["server_gauges_after"]
         assert run["engine"]["stream_limit_cuts"] == 0
+        # where the batched steps' time went: no device events on a CPU, and the gaps between its steps (the loop's
+        # turns) a fraction of each step's share of the window
+        assert run["engine"]["step_device_ms"] is None and run["engine"]["step_flight_beyond_device_ms"] is None
+        assert 0 < run["engine"]["step_gap_ms"] < 1000 / run["engine"]["steps_per_s"]
         assert run["server_metrics"]["qwen3tts_engine_stream_limit_seconds"] == 0.0  # exported, counted per window
         assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"] > 0
         # ... through the window too: sampled every half second from the warm-up's start while the clients ran (a

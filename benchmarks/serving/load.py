@@ -456,7 +456,8 @@ def _cumulative(name: str) -> bool:
     return any(mark in name for mark in ("_total", "_sum", "_count", "loop_seconds", "frames_generated", "steps",
                                          "late_chunks", "underrun_seconds", "streams_started", "cancels", "errors",
                                          "codec_decodes", "codec_chunks", "clock_releases", "first_audio_holds",
-                                         "stream_limit_cuts", "stream_limit_seconds"))
+                                         "stream_limit_cuts", "stream_limit_seconds", "step_device_seconds",
+                                         "step_flight_seconds", "step_gap_seconds"))
 
 
 def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, object]:
@@ -471,12 +472,22 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     steps, decodes = metrics.get("qwen3tts_engine_steps", 0.0), metrics.get("qwen3tts_engine_codec_decodes", 0.0)
     first = metrics.get("qwen3tts_engine_first_frame_steps", 0.0)
     frames = metrics.get("qwen3tts_engine_frames_generated", 0.0)
+    timed = metrics.get("qwen3tts_engine_timed_steps", 0.0)
+    device_s = metrics.get("qwen3tts_engine_step_device_seconds", 0.0)
     return {
         "steps_per_s": steps / seconds,
         "first_frame_steps_per_s": first / seconds,
         "clock_releases_per_s": metrics.get("qwen3tts_engine_clock_releases", 0.0) / seconds,
         "first_audio_holds_per_s": metrics.get("qwen3tts_engine_first_audio_holds", 0.0) / seconds,
         "mean_step_batch": (frames - first) / (steps - first) if steps > first else None,  # a first-frame step: ~1 row
+        # a batched step's mean device time, its time in flight beyond that, and the gap before the next (ms)
+        "step_device_ms": 1000 * device_s / timed if timed else None,
+        "step_flight_beyond_device_ms": (
+            1000 * (metrics.get("qwen3tts_engine_step_flight_seconds", 0.0) - device_s) / timed if timed else None
+        ),
+        "step_gap_ms": (
+            1000 * metrics.get("qwen3tts_engine_step_gap_seconds", 0.0) / (steps - first) if steps > first else None
+        ),
         "codec_decodes_per_s": decodes / seconds,
         "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,

@@ -58,3 +58,11 @@ class CoreStats:
     codec_decodes: int = 0  # batched codec calls, both lanes (codec_chunks / codec_decodes is the mean batch)
     codec_chunks: int = 0  # chunks they decoded
     early_codec_decodes: int = 0  # ... of the calls, those on the early lane (new streams' first two chunks)
+    # Where a batched step's time goes (`StepLauncher`): the steps whose device time events measured, that time,
+    # and their time from queued to read back (beyond the device's, a step waited behind other lanes' work or for
+    # the loop to read it); and the time no batched step was queued while one had been read and rows could step
+    # (the step clock's and the holds' waits, and the loop's turn before it queued the next)
+    timed_steps: int = 0
+    step_device_seconds: float = 0.0
+    step_flight_seconds: float = 0.0
+    step_gap_seconds: float = 0.0

@@ -56,6 +56,8 @@ class StepLauncher:
         self._release: float | None = None  # until when a held step may wait (Scheduler.pace_release)
         self._early_release: float | None = None  # ... and while new streams step alone (Scheduler.early_release)
         self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
+        self._batched_queued_at: dict[int, float] = {}  # the batched steps in flight: when each was queued, by seq
+        self._last_batched_read: float | None = None  # when the last batched step was read with rows left to step
 
     def launch(self) -> bool:
         """Queue the steps now due: new streams' first frames at once (under load, in first-frame slots), and
@@ -73,6 +75,8 @@ class StepLauncher:
             out = step.host.numpy()
             now = time.perf_counter()
             self._trace.read(step.seq, now, gpu_seconds)
+            if step.batched:
+                self._book_batched_read(step.seq, gpu_seconds, now)
             if gpu_seconds is not None and step.batched:
                 self.scheduler.load.record_step_time(gpu_seconds, now)
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
@@ -82,7 +86,20 @@ class StepLauncher:
             if plans:
                 self.audio.decode(plans, now, self.scheduler.audio_streams())
             progressed = True
+        if progressed and self._last_batched_read is not None and not self.scheduler.has_runnable():
+            self._last_batched_read = None  # nothing left to step: the time until the next is no gap
         return progressed
+
+    def _book_batched_read(self, seq: int, device_seconds: float | None, now: float) -> None:
+        """A batched step was read back at `now`: its time in flight and on the device (`CoreStats.timed_steps`),
+        and, once no other is in flight, the start of a gap until the next is queued."""
+        queued_at = self._batched_queued_at.pop(seq, None)
+        if device_seconds is not None and queued_at is not None:
+            self.stats.timed_steps += 1
+            self.stats.step_device_seconds += device_seconds
+            self.stats.step_flight_seconds += now - queued_at
+        if not self._batched_queued_at:
+            self._last_batched_read = now
 
     def replan(self) -> None:
         """A stream's need changed (a chunk left): a held step's release is worked out afresh. (A chunk leaving
@@ -95,6 +112,8 @@ class StepLauncher:
         self.steps.clear()
         self.pacer.clear()
         self._release = self._early_release = None
+        self._batched_queued_at.clear()
+        self._last_batched_read = None
 
     def _launch_first_frames(self) -> bool:
         """A step of the first-frame slots alone, for new streams whose next frame can run there, right behind
@@ -140,7 +159,10 @@ class StepLauncher:
         if not self.pacer.may_launch(now):
             return False
         rows = self.scheduler.runnable()
-        if not rows or self._awaits_first_audio(now):
+        if not rows:
+            self._last_batched_read = None  # nothing to step (streams waiting for text, or none): no gap
+            return False
+        if self._awaits_first_audio(now):
             return False
         period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
@@ -191,6 +213,10 @@ class StepLauncher:
             self.scheduler.on_launched(rows), rows, slots, kv_len, self._sampling_below, batched=batched
         )
         self._trace.queued(step.seq, rows, now, batched=batched)
+        if batched:
+            if not self._batched_queued_at and self._last_batched_read is not None:
+                self.stats.step_gap_seconds += now - self._last_batched_read
+            self._batched_queued_at[step.seq] = now
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
             ended = time.perf_counter()
             self.scheduler.load.record_step_time(ended - now, ended)

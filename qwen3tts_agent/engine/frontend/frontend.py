@@ -112,6 +112,12 @@ class EngineStats:
     codec_decodes: int = 0  # batched codec calls (codec_chunks / codec_decodes is the mean batch)
     codec_chunks: int = 0  # audio chunks those calls decoded
     early_codec_decodes: int = 0  # ... of the calls, those on a GPU's early lane (new streams' first two chunks)
+    timed_steps: int = 0  # batched steps whose device time events measured (a GPU's), and of them ...
+    step_device_seconds: float = 0.0  # ... that device time, summed
+    step_flight_seconds: float = 0.0  # ... their time from queued to read back: beyond the device's, a step waited
+    # behind other lanes' work or for the core's loop to read it
+    step_gap_seconds: float = 0.0  # time no batched step was queued while rows could step (the step clock's and
+    # the holds' waits, and the loop's turn before it queued the next)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"

@@ -99,3 +99,79 @@ def test_a_new_streams_first_frame_waits_for_the_batched_step_only_when_an_older
         assert last.batched and set(older) <= set(last.rows) and second in last.rows
     else:
         assert not last.batched and last.rows == [second]
+
+
+class DeviceEvent:
+    """A CUDA event's answers for a step the device ran at `at` (seconds)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: DeviceEvent) -> float:
+        return (end.at - self.at) * 1000
+
+
+class StepsThatEnd(StepsInFlight):
+    """Steps that end when the test says, each after `DEVICE_S` on the device."""
+
+    DEVICE_S = 0.004
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots = slots
+        self.ended: list[QueuedStep] = []
+
+    def queue(
+        self, seq: int, rows: list[Any], slots: list[int], kv_len: int, sampling: Any, *, batched: bool = True
+    ) -> QueuedStep:
+        host = torch.zeros(self.slots, 17, dtype=torch.int64)  # 16 codes, no end flag, per slot
+        step = QueuedStep(seq, rows, slots, self.slots, host, DeviceEvent(0.0), DeviceEvent(self.DEVICE_S), batched)  # type: ignore[arg-type]
+        self.queued.append(step)
+        return step
+
+    def end_all(self) -> None:
+        self.ended, self.queued = self.ended + self.queued, []
+
+    def completed(self) -> Iterator[QueuedStep]:
+        ended, self.ended = self.ended, []
+        return iter(ended)
+
+
+class DecodesNothing(NoAudioInFlight):
+    def decode(self, plans: Any, now: float, streams: int) -> None:
+        pass
+
+
+def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_the_next() -> None:
+    """`CoreStats.timed_steps` and the seconds beside it, with steps that end as a GPU's do: a step read back
+    30 ms after it was queued spent its 4 ms of device time and 26 more in flight; the next, queued 20 ms after
+    that read, follows a 20 ms gap; a step queued while another is in flight follows none."""
+    scheduler = make_scheduler(max_slots=8)
+    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
+    for r in rows:
+        start(scheduler, r, [5, 6])
+    steps = StepsThatEnd(slots=8)
+    stats = CoreStats()
+    launcher = StepLauncher(
+        scheduler, NoRunner(), steps, StepPacer(), DecodesNothing(),  # type: ignore[arg-type]
+        stats, {}, LateChunkTrace(),
+    )
+    assert launcher.launch() and len(steps.queued) == 1
+    time.sleep(0.03)
+    steps.end_all()
+    assert launcher.collect()
+    assert stats.timed_steps == 1 and stats.step_device_seconds == pytest.approx(StepsThatEnd.DEVICE_S)
+    assert 0.03 <= stats.step_flight_seconds < 1.0
+    assert stats.step_gap_seconds == 0.0
+    time.sleep(0.02)
+    assert launcher.launch()
+    assert 0.02 <= stats.step_gap_seconds < 1.0
+    gap = stats.step_gap_seconds
+    time.sleep(0.005)  # the pacer queues the next once the one in flight is due to end (its 4 ms)
+    assert launcher.launch() and len(steps.queued) == 2  # queued behind the one in flight: no gap
+    steps.end_all()
+    launcher.collect()
+    assert stats.timed_steps == 3 and stats.step_gap_seconds == gap

@@ -149,3 +149,25 @@ def test_a_lone_streams_step_waits_while_its_first_chunk_decodes_with_first_audi
 def test_a_negative_period_is_refused() -> None:
     with pytest.raises(ValueError, match="step_period_s"):
         engine_for("synthetic:tiny", max_streams=4, step_period_s=-0.01)
+
+
+def test_the_gap_between_batched_steps_is_counted_only_while_rows_could_step() -> None:
+    """`EngineStats.step_gap_seconds`: the time no batched step was queued after one was read with rows left to
+    step (on a CPU, the loop's turn between steps). An idle engine's seconds, between one utterance and the next,
+    are no gap; a CPU's steps have no device events, so none is timed."""
+    engine = engine_for("synthetic:tiny", max_streams=4)
+    sampling = SamplingParams.greedy(max_frames=FRAMES, ignore_eos=True)
+    try:
+        voice = xvector_voice(engine)
+        engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+        before = engine.stats()
+        time.sleep(2.0)  # idle: nothing to step
+        started = time.perf_counter()
+        engine.synthesize_blocking(TEXT, voice=voice, sampling=sampling)
+        busy = time.perf_counter() - started
+        after = engine.stats()
+    finally:
+        engine.close()
+    gap = after.step_gap_seconds - before.step_gap_seconds
+    assert 0 < gap < busy, (gap, busy)  # the second utterance's turns between its steps, not the idle seconds
+    assert after.timed_steps == 0 and after.step_device_seconds == after.step_flight_seconds == 0
