@@ -77,8 +77,8 @@ class StepLauncher:
             self._trace.read(step.seq, now, gpu_seconds)
             if step.batched:
                 self._book_batched_read(step.seq, gpu_seconds, now)
-            if gpu_seconds is not None and step.batched:
-                self.scheduler.load.record_step_time(gpu_seconds, now)
+                if gpu_seconds is not None:
+                    self.scheduler.load.record_step_time(gpu_seconds, now)
             self.stats.frames_generated += sum(1 for r in step.rows if r.finish_reason is None and r.slot is not None)
             plans = self.scheduler.on_frame(step.rows, step.slots, out[:, :-1], out[:, -1], now)
             self._release = self._early_release = None
