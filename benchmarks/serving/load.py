@@ -464,8 +464,8 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), its mean device time, its time in flight beyond that
     and the gap before the next while rows could step (ms: where a step's time goes), the batched steps a second
-    that went before the
-    step clock's tick for a stream's deadline and that waited for a new stream's first frame and first chunk,
+    that went before the step clock's tick for a stream's deadline and that waited for a new stream's first frame
+    and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
     late, by their place in their stream (the second chunk, the third, the fourth, later ones) and by why (their
     frames made after they were due, or their decode late); the times late chunks cut the streams the engine takes
