@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 
 from benchmarks.serving.load import (
     LIVE_GAUGES,
@@ -129,6 +130,11 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         # turns) a fraction of each step's share of the window
         assert run["engine"]["step_device_ms"] is None and run["engine"]["step_flight_beyond_device_ms"] is None
         assert 0 < run["engine"]["step_gap_ms"] < 1000 / run["engine"]["steps_per_s"]
+        # ... by what held each step back, all of it accounted for (a CPU's step holds the loop: "loop", and the
+        # first chunks it waits for: "first_audio")
+        by_hold = run["engine"]["step_gap_ms_by_hold"]
+        assert set(by_hold) <= {"in_flight", "clock", "first_audio", "first_frames", "codec", "loop"} and by_hold["loop"] > 0
+        assert sum(by_hold.values()) == pytest.approx(run["engine"]["step_gap_ms"], rel=1e-6)
         assert run["server_metrics"]["qwen3tts_engine_stream_limit_seconds"] == 0.0  # exported, counted per window
         assert gauges["qwen3tts_engine_stream_limit"] == gauges["qwen3tts_engine_max_streams"] > 0
         # ... through the window too: sampled every half second from the warm-up's start while the clients ran (a

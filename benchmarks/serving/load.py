@@ -79,7 +79,7 @@ BUSY_RETRY_S = 0.1  # a held stream refused with `busy` tries again after this l
 # metric families kept per label set by `scrape` (the others are summed over their labels)
 LABELLED_FAMILIES = (
     "qwen3tts_engine_loop_seconds", "qwen3tts_engine_late_chunks_by_index", "qwen3tts_engine_late_chunks_by_cause",
-    "qwen3tts_busy_total",
+    "qwen3tts_engine_step_gap_seconds_by_hold", "qwen3tts_busy_total",
 )
 # streams open or waiting for a slot, in the API workers and in the engine: all 0 once the server is idle
 LIVE_GAUGES = ("qwen3tts_active_streams", "qwen3tts_queued_requests", "qwen3tts_engine_active_streams",
@@ -463,7 +463,8 @@ def _cumulative(name: str) -> bool:
 def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, object]:
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), its mean device time, its time in flight beyond that
-    and the gap before the next while rows could step (ms: where a step's time goes), the batched steps a second
+    and the gap before the next while rows could step, in all and by what held the step back (ms: where a step's
+    time goes), the batched steps a second
     that went before the step clock's tick for a stream's deadline and that waited for a new stream's first frame
     and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
@@ -490,6 +491,10 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         "step_gap_ms": (
             1000 * metrics.get("qwen3tts_engine_step_gap_seconds", 0.0) / (steps - first) if steps > first else None
         ),
+        "step_gap_ms_by_hold": {
+            hold: 1000 * seconds / (steps - first)
+            for hold, seconds in by_label(metrics, "qwen3tts_engine_step_gap_seconds_by_hold", "hold").items()
+        } if steps > first else {},
         "codec_decodes_per_s": decodes / seconds,
         "early_codec_decodes_per_s": metrics.get("qwen3tts_engine_early_codec_decodes", 0.0) / seconds,
         "mean_codec_batch": metrics.get("qwen3tts_engine_codec_chunks", 0.0) / decodes if decodes else None,

@@ -53,6 +53,15 @@ class _EngineCollector(Collector):
         for phase, seconds in stats.loop_seconds.items():
             loop.add_metric([phase], float(seconds))
         yield loop
+        gap = GaugeMetricFamily(
+            "qwen3tts_engine_step_gap_seconds_by_hold",
+            "qwen3tts_engine_step_gap_seconds by what held the next batched step back (in_flight, clock, "
+            "first_audio, first_frames, codec; loop: the engine's loop at its other work)",
+            labels=["hold"],
+        )
+        for hold, seconds in stats.step_gap_by_hold.items():
+            gap.add_metric([hold], float(seconds))
+        yield gap
         late = GaugeMetricFamily(
             "qwen3tts_engine_late_chunks_by_index",
             "Chunks that left late, by their place in their stream (1: the second chunk; 4+: the fifth and later)",

@@ -6,7 +6,7 @@ sums the counters of a core and of the ones that died before it) do not depend o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from ..runner import DEFAULT_TOP_K_CAP
 from ..types import DEFAULT_CHUNK_SCHEDULE
@@ -66,3 +66,17 @@ class CoreStats:
     step_device_seconds: float = 0.0
     step_flight_seconds: float = 0.0
     step_gap_seconds: float = 0.0
+    # ... that gap by what held the step back (`launcher.GAP_HOLDS`), the rest under "loop": the core's loop at
+    # its other work before it looked again
+    step_gap_by_hold: dict[str, float] = field(default_factory=dict)
+
+    def plus(self, other: CoreStats) -> CoreStats:
+        """Every counter of this core's and `other`'s together (a core's and those of the cores before it)."""
+        summed = CoreStats()
+        for f in fields(CoreStats):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                setattr(summed, f.name, {k: mine.get(k, 0.0) + theirs.get(k, 0.0) for k in mine.keys() | theirs.keys()})
+            else:
+                setattr(summed, f.name, mine + theirs)
+        return summed

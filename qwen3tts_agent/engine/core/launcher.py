@@ -15,6 +15,7 @@ wait and whether it waited for a new stream's audio.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 
@@ -30,6 +31,12 @@ from .late_trace import LateChunkTrace
 URGENT_AUDIO_S = 0.06
 # On a CPU, a step waits this many (recent batched) steps' time at most for a first chunk being decoded.
 FIRST_AUDIO_WAIT_STEPS = 0.5
+# What holds a batched step back while rows could step (`CoreStats.step_gap_by_hold`): a place in flight (the
+# pacer: a step of new streams' first frames, or one expected to end later than the next should start), the step
+# clock, a new stream's first frame and first chunk, new streams stepping in the first-frame slots, urgent codec
+# work; and the time the core's loop spent at its other work before it looked again.
+GAP_HOLDS = ("in_flight", "clock", "first_audio", "first_frames", "codec")
+GAP_LOOP = "loop"
 
 
 class StepLauncher:
@@ -58,6 +65,12 @@ class StepLauncher:
         self._waited_for_audio = False  # the next batched step has waited for a new stream's first frame or chunk
         self._batched_queued_at: dict[int, float] = {}  # the batched steps in flight: when each was queued, by seq
         self._last_batched_read: float | None = None  # when the last batched step was read with rows left to step
+        # the gap since then, by hold (`_charge_gap`): up to when it is charged, the hold of the last look and until
+        # when that hold lasts at most (its release, where known)
+        self._gap: dict[str, float] = {}
+        self._gap_mark = 0.0
+        self._gap_hold = GAP_LOOP
+        self._gap_hold_until = math.inf
 
     def launch(self) -> bool:
         """Queue the steps now due: new streams' first frames at once (under load, in first-frame slots), and
@@ -87,7 +100,7 @@ class StepLauncher:
                 self.audio.decode(plans, now, self.scheduler.audio_streams())
             progressed = True
         if progressed and self._last_batched_read is not None and not self.scheduler.has_runnable():
-            self._last_batched_read = None  # nothing left to step: the time until the next is no gap
+            self._end_gap()  # nothing left to step: the time until the next is no gap
         return progressed
 
     def _book_batched_read(self, seq: int, device_seconds: float | None, now: float) -> None:
@@ -99,7 +112,26 @@ class StepLauncher:
             self.stats.step_device_seconds += device_seconds
             self.stats.step_flight_seconds += now - queued_at
         if not self._batched_queued_at:
-            self._last_batched_read = now
+            self._last_batched_read = self._gap_mark = now
+            self._gap, self._gap_hold, self._gap_hold_until = {}, GAP_LOOP, math.inf
+
+    def _end_gap(self) -> None:
+        self._last_batched_read = None
+        self._gap = {}
+
+    def _held(self, now: float, hold: str, until: float = math.inf) -> bool:
+        """The batched step does not go now, held by `hold` until `until` at most (infinity: not known). False."""
+        if self._last_batched_read is not None and not self._batched_queued_at:
+            self._charge_gap(now)
+            self._gap_hold, self._gap_hold_until = hold, until
+        return False
+
+    def _charge_gap(self, now: float) -> None:
+        """Charge the gap's time since the last look to that look's hold, up to its release; the rest to the loop."""
+        held = max(0.0, min(now, self._gap_hold_until) - self._gap_mark)
+        self._gap[self._gap_hold] = self._gap.get(self._gap_hold, 0.0) + held
+        self._gap[GAP_LOOP] = self._gap.get(GAP_LOOP, 0.0) + (now - self._gap_mark - held)
+        self._gap_mark = now
 
     def replan(self) -> None:
         """A stream's need changed (a chunk left): a held step's release is worked out afresh. (A chunk leaving
@@ -113,7 +145,7 @@ class StepLauncher:
         self.pacer.clear()
         self._release = self._early_release = None
         self._batched_queued_at.clear()
-        self._last_batched_read = None
+        self._end_gap()
 
     def _launch_first_frames(self) -> bool:
         """A step of the first-frame slots alone, for new streams whose next frame can run there, right behind
@@ -157,18 +189,19 @@ class StepLauncher:
         under load, when its step clock says so)."""
         now = time.perf_counter()
         if not self.pacer.may_launch(now):
-            return False
+            return self._held(now, "in_flight", self.pacer.launch_at())
         rows = self.scheduler.runnable()
         if not rows:
-            self._last_batched_read = None  # nothing to step (streams waiting for text, or none): no gap
+            self._end_gap()  # nothing to step (streams waiting for text, or none): no gap
             return False
         if self._awaits_first_audio(now):
-            return False
+            return self._held(now, "first_audio")
         period = self.pacer.step_period_s
         paced = self.scheduler.paced(rows)
         # the clock ticks faster as slots run short (`Scheduler.clock_period`); a held step's release and the
         # first-frame rules still count a step as `period` at most, the time a step may take
-        early = paced and not self.pacer.clock_due(now, self.scheduler.clock_period(period))
+        tick = self.pacer.clock_tick(self.scheduler.clock_period(period))
+        early = paced and now < tick
         # A paced step (any step that carries no first frame, with `first_audio_alone`) also waits while a new
         # stream's first frame runs and its first chunk decodes: their kernels then have the device to
         # themselves instead of queueing for it behind the step's.
@@ -176,17 +209,17 @@ class StepLauncher:
         held = early or (
             may_hold and (step_timing.first_frame_in_flight(rows) or self.audio.first_audio_in_flight())
         )
-        if held and now < self._pace_release(now, period, rows):
+        if held and now < (release := self._pace_release(now, period, rows)):
             self._waited_for_audio |= not early
-            return False
+            return self._held(now, "clock", min(tick, release)) if early else self._held(now, "first_audio", release)
         if self._early_release is None:  # while new streams step in the first-frame slots, it waits for them
             self._early_release = self.scheduler.early_release(rows, now, period)
         if now < self._early_release:
             self._waited_for_audio = True
-            return False
+            return self._held(now, "first_frames", self._early_release)
         if self.audio.urgent(now, URGENT_AUDIO_S) and step_timing.steps_can_wait(rows, now):
             self.stats.steps_deferred += 1
-            return False
+            return self._held(now, "codec")
         self._move_settled(now)  # out of first-frame slots, right before this step
         self._queue_step(rows, now)
         self.stats.clock_releases += early
@@ -215,7 +248,12 @@ class StepLauncher:
         self._trace.queued(step.seq, rows, now, batched=batched)
         if batched:
             if not self._batched_queued_at and self._last_batched_read is not None:
+                self._charge_gap(now)
                 self.stats.step_gap_seconds += now - self._last_batched_read
+                by_hold = self.stats.step_gap_by_hold
+                for hold, seconds in self._gap.items():
+                    by_hold[hold] = by_hold.get(hold, 0.0) + seconds
+                self._end_gap()
             self._batched_queued_at[step.seq] = now
         if step.done is None and batched:  # no device events: the step ran synchronously, now is its end
             ended = time.perf_counter()

@@ -438,8 +438,7 @@ class Engine(EngineFrontend):
         with self._core_lock:
             if self._closed:
                 return
-            for f in fields(CoreStats):
-                setattr(self._stats_base, f.name, getattr(self._stats_base, f.name) + getattr(dead.stats, f.name))
+            self._stats_base = self._stats_base.plus(dead.stats)
             self.core = None  # type: ignore[assignment]
             del dead
             gc.collect()
@@ -462,7 +461,7 @@ class Engine(EngineFrontend):
         scheduler = core.scheduler
         running = len(scheduler.running)
         refusal = self.refusal_reason()
-        base, now = self._stats_base, core.stats
+        counted = self._stats_base.plus(core.stats)  # this core's and dead ones'
         # the limit admission applies: an engine that does not shed (the CPU's default) takes on every slot,
         # whatever its late chunks would have cut
         limit = scheduler.stream_limit if self.shed_when_behind else None
@@ -471,7 +470,7 @@ class Engine(EngineFrontend):
             active_streams=running,
             queued_streams=max(0, self.open_stream_count() - running),
             max_streams=self.max_streams,
-            **{f.name: getattr(base, f.name) + getattr(now, f.name) for f in fields(CoreStats)},  # this core's and dead ones'
+            **{f.name: getattr(counted, f.name) for f in fields(CoreStats)},
             late_chunks=scheduler.load.stats.late_chunks,
             underrun_seconds=scheduler.load.stats.underrun_seconds,
             late_by_index=dict(scheduler.load.stats.late_by_index),

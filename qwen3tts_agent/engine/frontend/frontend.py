@@ -118,6 +118,8 @@ class EngineStats:
     # behind other lanes' work or for the core's loop to read it
     step_gap_seconds: float = 0.0  # time no batched step was queued while rows could step (the step clock's and
     # the holds' waits, and the loop's turn before it queued the next)
+    step_gap_by_hold: dict[str, float] = field(default_factory=dict)  # ... by what held the step back
+    # (`engine/core/launcher.py` GAP_HOLDS), "loop" for the loop's other work before it looked again
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed
     # ... late_chunks by the chunk's place in its stream: "1" (the second chunk), "2", "3", "4+"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class StepPacer:
     """When to queue the next frame step on the device.
@@ -39,10 +41,20 @@ class StepPacer:
         end = self.expected_end()
         return end is None or now >= end - self.margin_s
 
-    def clock_due(self, now: float, period_s: float | None = None) -> bool:
-        """Whether the step clock lets a paced step go now: `period_s` (by default `step_period_s`; shorter when
-        slots run short, `Scheduler.clock_period`) since the last batched step."""
-        return now >= self._last_batched + (self.step_period_s if period_s is None else period_s)
+    def clock_tick(self, period_s: float | None = None) -> float:
+        """When the step clock lets a paced step go: `period_s` (by default `step_period_s`; shorter when slots run
+        short, `Scheduler.clock_period`) after the last batched step."""
+        return self._last_batched + (self.step_period_s if period_s is None else period_s)
+
+    def launch_at(self) -> float:
+        """When `may_launch` will let a step go, as far as is known now: infinity while every place in flight is
+        taken or a queued bucket was never measured (it waits for a step to end)."""
+        if not self._in_flight:
+            return -math.inf
+        end = self.expected_end()
+        if len(self._in_flight) >= self.max_in_flight or end is None:
+            return math.inf
+        return end - self.margin_s
 
     def may_queue(self) -> bool:
         """Whether another step may be queued behind those in flight, whenever they end (a new stream's first

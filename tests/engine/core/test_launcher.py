@@ -175,3 +175,34 @@ def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_
     steps.end_all()
     launcher.collect()
     assert stats.timed_steps == 3 and stats.step_gap_seconds == gap
+
+
+def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
+    """`CoreStats.step_gap_by_hold`: a step read back while its streams run far ahead of their listeners waits for
+    the step clock's tick; that wait is charged to the clock up to the tick, the looks after it to the loop, and
+    the charges add up to the whole gap."""
+    scheduler = make_scheduler(max_slots=8, pace_load=1)
+    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
+    for r in rows:
+        start(scheduler, r, [5, 6])
+    steps = StepsThatEnd(slots=8)
+    stats = CoreStats()
+    pacer = StepPacer(step_period_s=0.05)
+    launcher = StepLauncher(
+        scheduler, NoRunner(), steps, pacer, DecodesNothing(),  # type: ignore[arg-type]
+        stats, {}, LateChunkTrace(),
+    )
+    assert launcher.launch()  # the streams' first frames: not paced
+    steps.end_all()
+    assert launcher.collect()
+    read, tick = time.perf_counter(), pacer.clock_tick()
+    assert scheduler.paced(scheduler.runnable()) and tick > read
+    looks = 0
+    while not launcher.launch():  # the loop looks again and again until the tick
+        looks += 1
+        time.sleep(0.002)
+    queued = time.perf_counter()
+    assert looks >= 5 and set(stats.step_gap_by_hold) <= {"clock", "loop"}
+    assert sum(stats.step_gap_by_hold.values()) == pytest.approx(stats.step_gap_seconds)
+    assert 0.5 * (tick - read) < stats.step_gap_by_hold["clock"] <= tick - read + 1e-9  # charged up to the tick only
+    assert queued >= tick

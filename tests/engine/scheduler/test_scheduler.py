@@ -535,14 +535,29 @@ def test_pacer_queues_the_next_step_just_before_the_one_in_flight_ends() -> None
 
 def test_the_step_clock_spaces_batched_steps_and_first_frame_steps_do_not_tick_it() -> None:
     pacer = StepPacer(step_period_s=0.02)
-    assert pacer.clock_due(0.0)  # no batched step yet
+    assert pacer.clock_tick() < 0.0  # no batched step yet
     pacer.launched(8, 1.0)
-    assert not pacer.clock_due(1.019) and pacer.clock_due(1.02)
-    assert not pacer.clock_due(1.004, period_s=0.005) and pacer.clock_due(1.005, period_s=0.005)  # a shorter period
+    assert pacer.clock_tick() == pytest.approx(1.02)
+    assert pacer.clock_tick(period_s=0.005) == pytest.approx(1.005)  # a shorter period
     pacer.completed(0.005)
     pacer.launched(4, 1.01, batched=False)  # a step of new streams' first frames: not a tick
-    assert pacer.clock_due(1.02)
-    assert StepPacer().clock_due(float("-inf"))  # period 0: the clock never holds a step back
+    assert pacer.clock_tick() == pytest.approx(1.02)
+    assert StepPacer().clock_tick() == float("-inf")  # period 0: the clock never holds a step back
+
+
+def test_the_pacer_says_when_the_next_step_may_launch() -> None:
+    """`StepPacer.launch_at`: at once with nothing in flight; the expected end of the step in flight less the
+    margin; not known while a queued bucket is unmeasured or every place in flight is taken."""
+    pacer = StepPacer(margin_s=0.001)
+    assert pacer.launch_at() == float("-inf")
+    pacer.launched(8, 1.0)
+    assert pacer.launch_at() == float("inf")  # bucket 8 never measured
+    pacer.completed(0.010)
+    pacer.launched(8, 2.0)
+    assert pacer.launch_at() == pytest.approx(2.009)
+    assert not pacer.may_launch(2.0085) and pacer.may_launch(2.009)
+    pacer.launched(8, 2.009)
+    assert pacer.launch_at() == float("inf")  # both places in flight taken
     with pytest.raises(ValueError):
         StepPacer(step_period_s=-0.01)
 
