@@ -141,6 +141,8 @@ def test_a_dead_core_ends_its_streams_refuses_new_ones_and_restarts(voice: Voice
     engine = engine_for("synthetic:tiny", max_streams=2)
     try:
         v = Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
+        assert speak(engine, v) == 4
+        before = engine.stats()
         runner = engine.core.runner
 
         def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -163,6 +165,12 @@ def test_a_dead_core_ends_its_streams_refuses_new_ones_and_restarts(voice: Voice
         assert engine.healthy and engine.stats().restarts == 1  # a fresh core, with a fresh runner
         assert engine.core.runner is not runner
         assert speak(engine, v) == 4
+        # the dead core's counters stay in the engine's: its frames, steps and step gaps by hold
+        after = engine.stats()
+        assert after.frames_generated >= before.frames_generated + 4 and after.steps > before.steps
+        assert before.step_gap_by_hold and all(
+            after.step_gap_by_hold[hold] >= seconds for hold, seconds in before.step_gap_by_hold.items()
+        )
     finally:
         engine.close()
 
