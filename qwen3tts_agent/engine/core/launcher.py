@@ -120,7 +120,9 @@ class StepLauncher:
         self._gap = {}
 
     def _held(self, now: float, hold: str, until: float = math.inf) -> bool:
-        """The batched step does not go now, held by `hold` until `until` at most (infinity: not known). False."""
+        """The batched step does not go now, held by `hold` (one of `GAP_HOLDS`) until `until` at most (infinity:
+        not known). False."""
+        assert hold in GAP_HOLDS
         if self._last_batched_read is not None and not self._batched_queued_at:
             self._charge_gap(now)
             self._gap_hold, self._gap_hold_until = hold, until
