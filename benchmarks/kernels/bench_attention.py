@@ -4,7 +4,9 @@ A 1.7B frame at 256 rows spends about half its time in `_attention_kernel` (benc
 call 3): the talker's 28 launches over its whole cache, and the code predictor's 80 over at most 16 keys. This
 times each tiling in the grid below for the talker's and the predictor's attention shapes (16 query heads, 8
 key-value heads, head_dim 128), checks that it computes what the default tiling computes, and reports the
-fastest per (stack, rows, keys) beside the one `attention_tiles` picks. One CUDA graph holds `--calls` launches
+fastest per (stack, rows, keys) beside the one `attention_tiles` picks (`--chosen-only`: that one alone). Every row
+sits at the last position (`--positions last`), or the rows spread evenly over the positions below it (`spread`: a
+talker step under load, its rows at every point of their streams). One CUDA graph holds `--calls` launches
 over distinct caches (as a frame's layers read distinct caches); the median replay over the calls is one
 launch's time. Programmatic dependent launch is off: in a batched frame a cuBLAS product (which does not
 trigger early) comes before every attention launch.
@@ -53,8 +55,10 @@ def _layer(device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
 
 def time_tiles(
     rows: int, read_len: int, masked: bool, grid: list[AttentionTiles], calls: int, replays: int, device: torch.device,
+    spread: bool = False,
 ) -> list[dict[str, Any]]:
-    """Each tiling's µs per launch over `calls` distinct caches, and its largest difference from the default's output."""
+    """Each tiling's µs per launch over `calls` distinct caches, and its largest difference from the default's output.
+    `spread`: the rows' positions spread evenly below `read_len` (else every row at its last position)."""
     dtype = torch.bfloat16
     layer = _layer(device, dtype)
     n = layer.q_size + 2 * layer.kv_size
@@ -62,7 +66,10 @@ def time_tiles(
     positions = read_len + 1
     angles = torch.randn(positions, HEAD_DIM // 2, device=device)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
-    pos = torch.full((rows,), read_len - 1, device=device, dtype=torch.int64)
+    if spread:
+        pos = torch.arange(rows, device=device, dtype=torch.int64) * read_len // rows
+    else:
+        pos = torch.full((rows,), read_len - 1, device=device, dtype=torch.int64)
     shape = (rows, KV_HEADS, positions, HEAD_DIM)
     caches = [(torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype)) for _ in range(calls)]
     out = torch.empty(rows, layer.q_size, device=device, dtype=dtype)
@@ -92,17 +99,22 @@ def main() -> int:
     parser.add_argument("--stacks", nargs="+", choices=sorted(STACKS), default=sorted(STACKS))
     parser.add_argument("--calls", type=int, default=20, help="launches per CUDA graph")
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--positions", choices=("last", "spread"), default="last",
+                        help="every row at the last position, or the rows spread evenly below it")
+    parser.add_argument("--chosen-only", action="store_true", help="time the tiling `attention_tiles` picks, no grid")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     common.PROGRAMMATIC_LAUNCH = False
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cases": []}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                              "positions": args.positions, "cases": []}
     for stack in args.stacks:
         read_lens, masked, grid = STACKS[stack]
         for rows, read_len in itertools.product(args.rows, read_lens):
-            results = time_tiles(rows, read_len, masked, grid, args.calls, args.replays, device)
+            results = time_tiles(rows, read_len, masked, [] if args.chosen_only else grid, args.calls, args.replays,
+                                 device, spread=args.positions == "spread")
             best = min(results, key=lambda r: r["us"])
             report["cases"].append({"stack": stack, "rows": rows, "read_len": read_len, "results": results, "best": best})
             log(f"{stack:9s} rows={rows:3d} keys={read_len:3d}: chosen {results[0]['us']:6.1f} us, best {best['us']:6.1f} us "

@@ -197,6 +197,11 @@ def _attention_kernel(
     keys, values = cache_k_ptr + slot, cache_v_ptr + slot
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, read_len)
+    if LIMIT_TO_POS:
+        # the keys past the row's own position are all masked: their blocks would leave the softmax's state as
+        # it is (scores of -inf, weights of 0, a rescale by 1), so the loop stops at the position instead of
+        # at read_len, the longest row's bucket (a talker step's rows sit at every position below it)
+        end = tl.minimum(end, pos + 1)
     if EARLY_KEYS:
         # The first cache block goes out with the q/k/v loads: earlier steps wrote it, not the QKV product,
         # so the two latencies overlap instead of following each other.

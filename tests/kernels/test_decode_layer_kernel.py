@@ -173,6 +173,40 @@ def test_a_stack_equals_its_layers_one_by_one(device: str, b: int) -> None:
     assert all(torch.equal(a, e) for a, e in zip(caches_k + caches_v, one_k + one_v, strict=True))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_masked_rows_attention_ends_at_its_position_whatever_the_bucket(
+    device: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A talker step's rows sit at every position below its KV bucket (`read_len`, from the furthest row), and the
+    kernel stops each row's keys at its own position rather than at the bucket. The same rows, keys and cache in a
+    bucket of 96 and one of 224: the same output and cache, bit for bit (one key split each, so that the two
+    add their keys in one order), with rows at the first position, in the middle and at the last of the smaller
+    bucket, and an inactive row (the spare column: every key of its bucket)."""
+    monkeypatch.setattr(common, "sm_count", lambda device: 1)  # one split per row, whatever the bucket
+    shape, dt, b = SHAPES["tiny"], getattr(torch, dtype), 60  # 60 rows: the many-row tiling in 16-bit dtypes
+    torch.manual_seed(7)
+    layer = _layer(shape, dt, device)
+    cache_k = torch.randn(b, shape.kv_heads, MAX_LEN + 1, shape.head_dim).to(device, dt)
+    cache_v = torch.randn_like(cache_k)
+    x = (2 * torch.randn(b, 1, shape.hidden)).to(device, dt)
+    write_pos = torch.randint(0, 96, (b, 1))
+    write_pos[:3, 0] = torch.tensor([0, 47, 95])
+    write_pos = write_pos.to(device)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim))
+    cos, sin = rope_tables(inv_freq.to(device), torch.arange(MAX_LEN + 1, device=device), dt)
+    outs = []
+    for read_len in (96, 224):
+        k, v = cache_k.clone(), cache_v.clone()
+        outs.append((decode_layer.decode_layer(layer, x, cos, sin, k, v, write_pos, read_len), k, v))
+    (short, short_k, short_v), (long, long_k, long_v) = outs
+    assert torch.equal(short, long) and torch.equal(short_k, long_k) and torch.equal(short_v, long_v)
+    # an inactive row attends every key below its bucket: there the bucket matters
+    inactive = write_pos.clone()
+    inactive[-1] = MAX_LEN
+    spare = [decode_layer.decode_layer(layer, x, cos, sin, cache_k.clone(), cache_v.clone(), inactive, n) for n in (96, 224)]
+    assert torch.equal(spare[0][:-1], spare[1][:-1]) and not torch.equal(spare[0][-1], spare[1][-1])
+
+
 def test_cases_cover_single_and_split_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid reaches attention with and without key splits, GEMVs with and without K splits, and the
     padded head lanes (odd shapes) beside unpadded ones, as the interpreted cases run them."""

@@ -319,11 +319,18 @@ class GraphedPrefill:
         fitting = [key for key in self.keys if key[0] >= b and key[1] >= t and key[2] >= kv_len]
         return min(fitting, key=lambda key: (key[0] * key[1], key[2]), default=None)
 
+    def park(self) -> None:
+        """Point every bucket's inputs at the spare cache column, each row's last token at its first: a replay
+        then changes no slot and reads within every bucket (at capture, and where a benchmark replays the graphs
+        alone, after a real prefill left a longer bucket's indices in the shared buffers)."""
+        self._write_pos.fill_(self.runner.max_seq_len)
+        self._last.zero_()
+
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
         """Capture every bucket with all positions on the spare cache column (so no slot changes)."""
         started = time.perf_counter()
-        self._write_pos.fill_(self.runner.max_seq_len)
+        self.park()
         for b, t, k in track(self.keys, desc="capturing prefill graphs", enabled=progress):
             forward = functools.partial(self.runner.prefill_forward, *self._inputs(b, t), kv_len=k)
             self._graphs[(b, t, k)] = self._capture.capture(forward)
