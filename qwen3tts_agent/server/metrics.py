@@ -32,6 +32,28 @@ _ENGINE_FIELDS = (
     "restarts", "device_memory_bytes", "core_rss_bytes",
 )
 
+# engine.stats() dicts exported as one labelled family each: (name, help, label, field)
+_ENGINE_LABELLED = (
+    ("qwen3tts_engine_loop_seconds", "Seconds the engine's step loop spent per part of its turn", "phase", "loop_seconds"),
+    (
+        "qwen3tts_engine_step_gap_seconds_by_hold",
+        "qwen3tts_engine_step_gap_seconds by what held the next batched step back (in_flight, clock, first_audio, "
+        "first_frames, codec; loop: the engine's loop at its other work)",
+        "hold", "step_gap_by_hold",
+    ),
+    (
+        "qwen3tts_engine_late_chunks_by_index",
+        "Chunks that left late, by their place in their stream (1: the second chunk; 4+: the fifth and later)",
+        "index", "late_by_index",
+    ),
+    (
+        "qwen3tts_engine_late_chunks_by_cause",
+        "Chunks that left late, by why: frames (made after the chunk was due) or decode (made in time, the codec "
+        "lane late)",
+        "cause", "late_by_cause",
+    ),
+)
+
 
 class _EngineCollector(Collector):
     """Reads `engine.stats()` at scrape time, so the engine's own counters need no bookkeeping here."""
@@ -47,38 +69,11 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(
                 f"qwen3tts_engine_{field}", f"engine.stats().{field}", value=float(getattr(stats, field))
             )
-        loop = GaugeMetricFamily(
-            "qwen3tts_engine_loop_seconds", "Seconds the engine's step loop spent per part of its turn", labels=["phase"]
-        )
-        for phase, seconds in stats.loop_seconds.items():
-            loop.add_metric([phase], float(seconds))
-        yield loop
-        gap = GaugeMetricFamily(
-            "qwen3tts_engine_step_gap_seconds_by_hold",
-            "qwen3tts_engine_step_gap_seconds by what held the next batched step back (in_flight, clock, "
-            "first_audio, first_frames, codec; loop: the engine's loop at its other work)",
-            labels=["hold"],
-        )
-        for hold, seconds in stats.step_gap_by_hold.items():
-            gap.add_metric([hold], float(seconds))
-        yield gap
-        late = GaugeMetricFamily(
-            "qwen3tts_engine_late_chunks_by_index",
-            "Chunks that left late, by their place in their stream (1: the second chunk; 4+: the fifth and later)",
-            labels=["index"],
-        )
-        for index, count in stats.late_by_index.items():
-            late.add_metric([index], float(count))
-        yield late
-        cause = GaugeMetricFamily(
-            "qwen3tts_engine_late_chunks_by_cause",
-            "Chunks that left late, by why: frames (made after the chunk was due) or decode (made in time, the "
-            "codec lane late)",
-            labels=["cause"],
-        )
-        for name, count in stats.late_by_cause.items():
-            cause.add_metric([name], float(count))
-        yield cause
+        for name, documentation, label, field in _ENGINE_LABELLED:
+            family = GaugeMetricFamily(name, documentation, labels=[label])
+            for value, amount in getattr(stats, field).items():
+                family.add_metric([value], float(amount))
+            yield family
 
 
 class _HeldCollector(Collector):
