@@ -6,7 +6,7 @@ when the pacer says the device is about to need one, which under load also waits
 tick, while a new stream's first frame runs and its first chunk decodes (at any load on a GPU), while new
 streams step in the first-frame slots (by a wider margin), and while urgent codec work has the device, each
 unless a stream's next chunk would then be late. Collecting reads the steps that have completed back into
-the scheduler and starts decoding the chunks that are due.
+the scheduler, starts decoding the chunks that are due and, on a GPU, looks at once whether the next step may go.
 
 It holds no request state of its own (that is the `Scheduler`'s) and no device work (that is `FrameSteps`'s
 and the `AudioPipeline`'s): only the facts that last from one turn to the next, until when a held step may
@@ -80,7 +80,12 @@ class StepLauncher:
 
     def collect(self) -> bool:
         """Read every completed step (oldest first) and start decoding the chunks that are due; whether any
-        step had completed."""
+        step had completed.
+
+        Where steps run asynchronously (a GPU), a step read back is followed at once by a look at launching the
+        next: the step in flight was often all that held it, and the loop's next look comes only after its
+        delivery and its prompt work, milliseconds under load, with the device idle meanwhile (docs/performance.md).
+        A CPU ran the step within `launch`; a second one here would hold back this turn's delivery."""
         progressed = False
         for step in self.steps.completed():
             gpu_seconds = step.device_seconds()
@@ -101,6 +106,8 @@ class StepLauncher:
             progressed = True
         if progressed and self._last_batched_read is not None and not self.scheduler.has_runnable():
             self._end_gap()  # nothing left to step: the time until the next is no gap
+        if progressed and self.steps.asynchronous:
+            self.launch()  # the step just read may have been all that held the next (see `collect`)
         return progressed
 
     def _book_batched_read(self, seq: int, device_seconds: float | None, now: float) -> None:

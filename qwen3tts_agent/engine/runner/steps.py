@@ -47,9 +47,10 @@ class FrameSteps:
     def __init__(self, runner: ModelRunner, graphs: GraphedFrameStep | None, device: torch.device, max_slots: int) -> None:
         self.runner = runner
         self.graphs = graphs
-        self._events = device.type == "cuda"
+        # a GPU's steps run after `queue` returns, read back once their end event fires; a CPU's run within it
+        self.asynchronous = device.type == "cuda"
         width = runner.num_groups + 1
-        pin = self._events
+        pin = self.asynchronous
         self._host_out = [torch.zeros(max_slots, width, dtype=torch.int64, pin_memory=pin) for _ in range(HOST_BUFFERS)]
         self._host_active = [torch.zeros(max_slots, dtype=torch.bool, pin_memory=pin) for _ in range(HOST_BUFFERS)]
         self._active_slots: list[int] | None = None  # the slots `runner.active` holds, so unchanged ones aren't re-sent
@@ -79,7 +80,7 @@ class FrameSteps:
             runner.active.copy_(self._host_active[index], non_blocking=True)
             self._active_slots = ordered
         started = done = None
-        if self._events:
+        if self.asynchronous:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         if self.graphs is not None and self.graphs.captured:

@@ -33,6 +33,8 @@ class NeverDone:
 class StepsInFlight:
     """`FrameSteps` without a device: every step queued stays in flight (none completes during the test)."""
 
+    asynchronous = True  # a GPU's steps: they run after `queue` returns
+
     def __init__(self) -> None:
         self.queued: list[QueuedStep] = []
 
@@ -115,13 +117,15 @@ class DeviceEvent:
 
 
 class StepsThatEnd(StepsInFlight):
-    """Steps that end when the test says, each after `DEVICE_S` on the device."""
+    """Steps that end when the test says, each after `DEVICE_S` on the device. `asynchronous` False: the launcher
+    takes them for a CPU's (run within `queue`), and looks at launching the next only when asked."""
 
     DEVICE_S = 0.004
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, *, asynchronous: bool = True) -> None:
         super().__init__()
         self.slots = slots
+        self.asynchronous = asynchronous
         self.ended: list[QueuedStep] = []
 
     def queue(
@@ -148,12 +152,13 @@ class DecodesNothing(NoAudioInFlight):
 def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_the_next() -> None:
     """`CoreStats.timed_steps` and the seconds beside it, with steps that end as a GPU's do: a step read back
     30 ms after it was queued spent its 4 ms of device time and 26 more in flight; the next, queued 20 ms after
-    that read, follows a 20 ms gap; a step queued while another is in flight follows none."""
+    that read, follows a 20 ms gap; a step queued while another is in flight follows none. (Looks only when asked:
+    the look right after a read is the next test's.)"""
     scheduler = make_scheduler(max_slots=8)
     rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
     for r in rows:
         start(scheduler, r, [5, 6])
-    steps = StepsThatEnd(slots=8)
+    steps = StepsThatEnd(slots=8, asynchronous=False)
     stats = CoreStats()
     launcher = StepLauncher(
         scheduler, NoRunner(), steps, StepPacer(), DecodesNothing(),  # type: ignore[arg-type]
@@ -194,8 +199,9 @@ def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
     )
     assert launcher.launch()  # the streams' first frames: not paced
     steps.end_all()
-    assert launcher.collect()
-    read, tick = time.perf_counter(), pacer.clock_tick()
+    read = time.perf_counter()
+    assert launcher.collect()  # and its look right after the read: held by the clock
+    tick = pacer.clock_tick()
     assert scheduler.paced(scheduler.runnable()) and tick > read
     looks = 0
     while not launcher.launch():  # the loop looks again and again until the tick
@@ -206,3 +212,29 @@ def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
     assert sum(stats.step_gap_by_hold.values()) == pytest.approx(stats.step_gap_seconds)
     assert 0.5 * (tick - read) < stats.step_gap_by_hold["clock"] <= tick - read + 1e-9  # charged up to the tick only
     assert queued >= tick
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["gpu_steps", "cpu_steps"])
+def test_a_step_read_back_on_a_gpu_is_followed_by_the_next_at_once(asynchronous: bool) -> None:
+    """On a GPU, reading a step back is followed by a look at launching the next: its streams can step again, so
+    it is queued within `collect`, with no gap, instead of after the loop's delivery and prompt work. A CPU's step
+    ran within `launch`; there `collect` queues nothing and the loop's next look queues the step."""
+    scheduler = make_scheduler(max_slots=8)
+    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
+    for r in rows:
+        start(scheduler, r, [5, 6])
+    steps = StepsThatEnd(slots=8, asynchronous=asynchronous)
+    stats = CoreStats()
+    launcher = StepLauncher(
+        scheduler, NoRunner(), steps, StepPacer(), DecodesNothing(),  # type: ignore[arg-type]
+        stats, {}, LateChunkTrace(),
+    )
+    assert launcher.launch()
+    steps.end_all()
+    assert launcher.collect()
+    if asynchronous:
+        assert [step.rows for step in steps.queued] == [rows] and steps.queued[0].batched
+        assert stats.steps == 2 and stats.step_gap_seconds < 0.005
+    else:
+        assert steps.queued == [] and stats.steps == 1
+        assert launcher.launch() and len(steps.queued) == 1
