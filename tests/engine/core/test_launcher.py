@@ -19,7 +19,7 @@ from qwen3tts_agent.engine.core.config import CoreStats
 from qwen3tts_agent.engine.core.late_trace import LateChunkTrace
 from qwen3tts_agent.engine.core.launcher import GAP_LOOP, StepLauncher
 from qwen3tts_agent.engine.runner.steps import QueuedStep
-from qwen3tts_agent.engine.scheduler import StepPacer
+from qwen3tts_agent.engine.scheduler import RequestState, Scheduler, StepPacer
 from tests.engine.scheduler.test_scheduler import _under_load, make_request, make_scheduler, start
 
 
@@ -149,21 +149,29 @@ class DecodesNothing(NoAudioInFlight):
         pass
 
 
+def two_streams_stepping(
+    pacer: StepPacer, *, asynchronous: bool = True, pace_load: int = 0
+) -> tuple[Scheduler, list[RequestState], StepsThatEnd, CoreStats, StepLauncher]:
+    """Two streams whose prompts are done, a launcher over steps that end when the test says, and its counters."""
+    scheduler = make_scheduler(max_slots=8, pace_load=pace_load)
+    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
+    for r in rows:
+        start(scheduler, r, [5, 6])
+    steps = StepsThatEnd(slots=8, asynchronous=asynchronous)
+    stats = CoreStats()
+    launcher = StepLauncher(
+        scheduler, NoRunner(), steps, pacer, DecodesNothing(),  # type: ignore[arg-type]
+        stats, {}, LateChunkTrace(),
+    )
+    return scheduler, rows, steps, stats, launcher
+
+
 def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_the_next() -> None:
     """`CoreStats.timed_steps` and the seconds beside it, with steps that end as a GPU's do: a step read back
     30 ms after it was queued spent its 4 ms of device time and 26 more in flight; the next, queued 20 ms after
     that read, follows a 20 ms gap; a step queued while another is in flight follows none. (Looks only when asked:
     the look right after a read is the next test's.)"""
-    scheduler = make_scheduler(max_slots=8)
-    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
-    for r in rows:
-        start(scheduler, r, [5, 6])
-    steps = StepsThatEnd(slots=8, asynchronous=False)
-    stats = CoreStats()
-    launcher = StepLauncher(
-        scheduler, NoRunner(), steps, StepPacer(), DecodesNothing(),  # type: ignore[arg-type]
-        stats, {}, LateChunkTrace(),
-    )
+    _, _, steps, stats, launcher = two_streams_stepping(StepPacer(), asynchronous=False)
     assert launcher.launch() and len(steps.queued) == 1
     time.sleep(0.03)
     steps.end_all()
@@ -186,17 +194,8 @@ def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
     """`CoreStats.step_gap_by_hold`: a step read back while its streams run far ahead of their listeners waits for
     the step clock's tick; that wait is charged to the clock up to the tick, the looks after it to the loop, and
     the charges add up to the whole gap."""
-    scheduler = make_scheduler(max_slots=8, pace_load=1)
-    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
-    for r in rows:
-        start(scheduler, r, [5, 6])
-    steps = StepsThatEnd(slots=8)
-    stats = CoreStats()
     pacer = StepPacer(step_period_s=0.05)
-    launcher = StepLauncher(
-        scheduler, NoRunner(), steps, pacer, DecodesNothing(),  # type: ignore[arg-type]
-        stats, {}, LateChunkTrace(),
-    )
+    scheduler, _, steps, stats, launcher = two_streams_stepping(pacer, pace_load=1)
     assert launcher.launch()  # the streams' first frames: not paced
     steps.end_all()
     read = time.perf_counter()
@@ -219,16 +218,7 @@ def test_a_step_read_back_on_a_gpu_is_followed_by_the_next_at_once(asynchronous:
     """On a GPU, reading a step back is followed by a look at launching the next: its streams can step again, so
     it is queued within `collect`, with no gap, instead of after the loop's delivery and prompt work. A CPU's step
     ran within `launch`; there `collect` queues nothing and the loop's next look queues the step."""
-    scheduler = make_scheduler(max_slots=8)
-    rows = [make_request(f"r{i}", max_frames=1000) for i in range(2)]
-    for r in rows:
-        start(scheduler, r, [5, 6])
-    steps = StepsThatEnd(slots=8, asynchronous=asynchronous)
-    stats = CoreStats()
-    launcher = StepLauncher(
-        scheduler, NoRunner(), steps, StepPacer(), DecodesNothing(),  # type: ignore[arg-type]
-        stats, {}, LateChunkTrace(),
-    )
+    _, rows, steps, stats, launcher = two_streams_stepping(StepPacer(), asynchronous=asynchronous)
     assert launcher.launch()
     steps.end_all()
     assert launcher.collect()
