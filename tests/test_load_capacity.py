@@ -131,6 +131,8 @@ def test_the_load_benchmark_reports_the_capacity_its_probes_show(tmp_path: Path)
         # turns) a fraction of each step's share of the window
         assert run["engine"]["step_device_ms"] is None and run["engine"]["step_flight_beyond_device_ms"] is None
         assert 0 < run["engine"]["step_gap_ms"] < 1000 / run["engine"]["steps_per_s"]
+        # a CPU's step runs within its launch: never two queued (the counter exported, and 0)
+        assert run["engine"]["overlapped_step_share"] == run["server_metrics"]["qwen3tts_engine_steps_overlapped"] == 0.0
         # ... by what held each step back, all of it accounted for (a CPU's step holds the loop: "loop", and the
         # first chunks it waits for: "first_audio")
         by_hold = run["engine"]["step_gap_ms_by_hold"]

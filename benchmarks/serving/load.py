@@ -464,7 +464,7 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
     """From the counter deltas over `seconds` (warm-up, window and drain): steps and codec calls a second,
     the mean rows per batched step (first-frame steps apart), its mean device time, its time in flight beyond that
     and the gap before the next while rows could step, in all and by what held the step back (ms: where a step's
-    time goes), the batched steps a second
+    time goes), the share of them queued while another was in flight (no gap), the batched steps a second
     that went before the step clock's tick for a stream's deadline and that waited for a new stream's first frame
     and first chunk,
     and the codec calls a second (those of the early lane apart) with their mean chunks; the chunks that left
@@ -490,6 +490,10 @@ def engine_figures(metrics: dict[str, float], seconds: float) -> dict[str, objec
         ),
         "step_gap_ms": (
             1000 * metrics.get("qwen3tts_engine_step_gap_seconds", 0.0) / (steps - first) if steps > first else None
+        ),
+        # of the batched steps, the share queued while another was in flight: no gap, the device kept busy
+        "overlapped_step_share": (
+            metrics.get("qwen3tts_engine_steps_overlapped", 0.0) / (steps - first) if steps > first else None
         ),
         "step_gap_ms_by_hold": {
             hold: 1000 * seconds / (steps - first)

@@ -27,7 +27,7 @@ _ENGINE_FIELDS = (
     "active_streams", "queued_streams", "max_streams", "frames_generated", "streams_started", "cancels", "errors",
     "steps", "first_frame_steps", "steps_deferred", "clock_releases", "first_audio_holds", "speculations",
     "speculation_misses", "codec_decodes", "codec_chunks", "early_codec_decodes", "timed_steps",
-    "step_device_seconds", "step_flight_seconds", "step_gap_seconds", "late_chunks",
+    "step_device_seconds", "step_flight_seconds", "step_gap_seconds", "steps_overlapped", "late_chunks",
     "underrun_seconds", "overloaded", "stream_limit", "stream_limit_cuts", "stream_limit_seconds", "healthy",
     "restarts", "device_memory_bytes", "core_rss_bytes",
 )

@@ -69,6 +69,8 @@ class CoreStats:
     # ... that gap by what held the step back (`launcher.GAP_HOLDS`), the rest under "loop": the core's loop at
     # its other work before it looked again
     step_gap_by_hold: dict[str, float] = field(default_factory=dict)
+    # batched steps queued while another was in flight: no gap before them, the device never idle between the two
+    steps_overlapped: int = 0
 
     def plus(self, other: CoreStats) -> CoreStats:
         """Every counter of this core's and `other`'s together (a core's and those of the cores before it)."""

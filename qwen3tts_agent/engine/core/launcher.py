@@ -256,6 +256,7 @@ class StepLauncher:
         )
         self._trace.queued(step.seq, rows, now, batched=batched)
         if batched:
+            self.stats.steps_overlapped += bool(self._batched_queued_at)
             if not self._batched_queued_at and self._last_batched_read is not None:
                 self._charge_gap(now)
                 self.stats.step_gap_seconds += now - self._last_batched_read

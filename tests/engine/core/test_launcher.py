@@ -181,10 +181,11 @@ def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_
     assert stats.step_gap_seconds == 0.0
     time.sleep(0.02)
     assert launcher.launch()
-    assert 0.02 <= stats.step_gap_seconds < 1.0
+    assert 0.02 <= stats.step_gap_seconds < 1.0 and stats.steps_overlapped == 0
     gap = stats.step_gap_seconds
     time.sleep(0.005)  # the pacer queues the next once the one in flight is due to end (its 4 ms)
     assert launcher.launch() and len(steps.queued) == 2  # queued behind the one in flight: no gap
+    assert stats.steps_overlapped == 1
     steps.end_all()
     launcher.collect()
     assert stats.timed_steps == 3 and stats.step_gap_seconds == gap
