@@ -38,7 +38,8 @@ _ENGINE_LABELLED = (
     (
         "qwen3tts_engine_step_gap_seconds_by_hold",
         "qwen3tts_engine_step_gap_seconds by what held the next batched step back (in_flight, clock, first_audio, "
-        "first_frames, codec; loop: the engine's loop at its other work)",
+        "first_frames, codec; read: from a step's read back to the first look after it; loop: the engine's loop at its "
+        "other work)",
         "hold", "step_gap_by_hold",
     ),
     (

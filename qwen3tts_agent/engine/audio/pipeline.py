@@ -295,9 +295,10 @@ class AudioPipeline:
             self._free_slots.sort()
 
     # ----------------------------------------------------------------- decoding
-    def decode(self, plans: Sequence[ChunkPlan], now: float, streams: int) -> None:
-        """Start decoding due chunks (most urgent first): early chunks on the early lane at once, the others
-        on the codec lane as it has room and the queue lets them go (`pump`)."""
+    def enqueue(self, plans: Sequence[ChunkPlan]) -> None:
+        """Start decoding due chunks (most urgent first): early chunks on the early lane at once; the others wait
+        in the codec lane's queue (counted by `urgent`) until `pump` lets them go. Two calls, so that the core
+        reading a step back looks at launching the next between them (`StepLauncher.collect`)."""
         early: dict[int, list[ChunkPlan]] = {}
         later: list[ChunkPlan] = []
         lane = self._early_graphs
@@ -312,7 +313,6 @@ class AudioPipeline:
             else:
                 later.extend(group)
         self.queue.add(later)
-        self.pump(now, streams)
 
     def _on_codec_lane(self, plan: ChunkPlan) -> bool:
         """Whether an earlier chunk of the plan's stream waits for or runs on the codec lane (the plan must

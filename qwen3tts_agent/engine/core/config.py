@@ -66,8 +66,8 @@ class CoreStats:
     step_device_seconds: float = 0.0
     step_flight_seconds: float = 0.0
     step_gap_seconds: float = 0.0
-    # ... that gap by what held the step back (`launcher.GAP_HOLDS`), the rest under "loop": the core's loop at
-    # its other work before it looked again
+    # ... that gap by what held the step back (`launcher.GAP_HOLDS`), from a step's read back to the first look
+    # after it under "read", the rest under "loop": the core's loop at its other work before it looked again
     step_gap_by_hold: dict[str, float] = field(default_factory=dict)
     # batched steps queued while another was in flight: no gap before them, the device never idle between the two
     steps_overlapped: int = 0

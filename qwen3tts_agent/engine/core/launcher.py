@@ -34,8 +34,11 @@ FIRST_AUDIO_WAIT_STEPS = 0.5
 # What holds a batched step back while rows could step (`CoreStats.step_gap_by_hold`): a place in flight (the
 # pacer: a step of new streams' first frames, or one expected to end later than the next should start), the step
 # clock, a new stream's first frame and first chunk, new streams stepping in the first-frame slots, urgent codec
-# work; and the time the core's loop spent at its other work before it looked again.
+# work; the time from a step's read to the first look after it (on a GPU the rest of `collect`: the frame's
+# bookkeeping over every row, the early chunks' codec calls, the other steps read with it); and the time the core's
+# loop spent at its other work before it looked again.
 GAP_HOLDS = ("in_flight", "clock", "first_audio", "first_frames", "codec")
+GAP_READ = "read"
 GAP_LOOP = "loop"
 
 
@@ -85,7 +88,11 @@ class StepLauncher:
         Where steps run asynchronously (a GPU), a step read back is followed at once by a look at launching the
         next: the step in flight was often all that held it, and the loop's next look comes only after its
         delivery and its prompt work, milliseconds under load, with the device idle meanwhile (docs/performance.md).
-        A CPU ran the step within `launch`; a second one here would hold back this turn's delivery."""
+        The look comes before the codec lane's calls for the chunks the step completed (`AudioPipeline.enqueue`,
+        then `pump`): their host work would only delay the step, whose kernels the lane's then follow on the
+        device anyway (it runs below the steps). A new stream's early chunks still start first: a step may wait
+        for its first chunk (`first_audio_in_flight`). A CPU ran the step within `launch`; a second one here would
+        hold back this turn's delivery."""
         progressed = False
         for step in self.steps.completed():
             gpu_seconds = step.device_seconds()
@@ -102,12 +109,14 @@ class StepLauncher:
             self._release = self._early_release = None
             self.scheduler.on_step_done(step.seq)
             if plans:
-                self.audio.decode(plans, now, self.scheduler.audio_streams())
+                self.audio.enqueue(plans)
             progressed = True
         if progressed and self._last_batched_read is not None and not self.scheduler.has_runnable():
             self._end_gap()  # nothing left to step: the time until the next is no gap
         if progressed and self.steps.asynchronous:
             self.launch()  # the step just read may have been all that held the next (see `collect`)
+        if progressed:
+            self.audio.pump(time.perf_counter(), self.scheduler.audio_streams())
         return progressed
 
     def _book_batched_read(self, seq: int, device_seconds: float | None, now: float) -> None:
@@ -120,7 +129,7 @@ class StepLauncher:
             self.stats.step_flight_seconds += now - queued_at
         if not self._batched_queued_at:
             self._last_batched_read = self._gap_mark = now
-            self._gap, self._gap_hold, self._gap_hold_until = {}, GAP_LOOP, math.inf
+            self._gap, self._gap_hold, self._gap_hold_until = {}, GAP_READ, math.inf
 
     def _end_gap(self) -> None:
         self._last_batched_read = None

@@ -119,7 +119,8 @@ class EngineStats:
     step_gap_seconds: float = 0.0  # time no batched step was queued while rows could step (the step clock's and
     # the holds' waits, and the loop's turn before it queued the next)
     step_gap_by_hold: dict[str, float] = field(default_factory=dict)  # ... by what held the step back
-    # (`engine/core/launcher.py` GAP_HOLDS), "loop" for the loop's other work before it looked again
+    # (`engine/core/launcher.py` GAP_HOLDS), "read" from a step's read back to the first look after it, "loop"
+    # for the loop's other work before it looked again
     steps_overlapped: int = 0  # batched steps queued while another was in flight (no gap before them)
     late_chunks: int = 0  # chunks that left the core after a client playing from the first chunk needed them
     underrun_seconds: float = 0.0  # how late, summed

@@ -231,9 +231,11 @@ def test_a_step_waits_for_a_first_chunk_near_the_end_of_its_decode() -> None:
             codes = np.zeros((frames, 16), dtype=np.int64)
             return ChunkPlan(request, codes, frame_start=0, index=index, is_last=False, planned_at=time.perf_counter())
 
-        audio.decode([plan(1, 2)], time.perf_counter(), streams=1)  # a later chunk: never waited for
+        audio.enqueue([plan(1, 2)])  # a later chunk: never waited for
+        audio.pump(time.perf_counter(), streams=1)
         assert audio.wait_for_first_audio(5.0, older_than_s=0.0) is False
-        audio.decode([plan(0, 1)], time.perf_counter(), streams=1)
+        audio.enqueue([plan(0, 1)])
+        audio.pump(time.perf_counter(), streams=1)
         assert audio.wait_for_first_audio(5.0, older_than_s=60.0) is False  # handed over just now: no wait
         started = time.perf_counter()
         assert audio.wait_for_first_audio(0.05, older_than_s=0.0) is False  # still decoding after the timeout

@@ -17,7 +17,7 @@ import torch
 
 from qwen3tts_agent.engine.core.config import CoreStats
 from qwen3tts_agent.engine.core.late_trace import LateChunkTrace
-from qwen3tts_agent.engine.core.launcher import GAP_LOOP, StepLauncher
+from qwen3tts_agent.engine.core.launcher import GAP_LOOP, GAP_READ, StepLauncher
 from qwen3tts_agent.engine.runner.steps import QueuedStep
 from qwen3tts_agent.engine.scheduler import RequestState, Scheduler, StepPacer
 from tests.engine.scheduler.test_scheduler import _under_load, make_request, make_scheduler, start
@@ -127,6 +127,7 @@ class StepsThatEnd(StepsInFlight):
         self.slots = slots
         self.asynchronous = asynchronous
         self.ended: list[QueuedStep] = []
+        self.calls: list[str] = []  # "step" for each step queued (and the audio stand-in's calls beside)
 
     def queue(
         self, seq: int, rows: list[Any], slots: list[int], kv_len: int, sampling: Any, *, batched: bool = True
@@ -134,6 +135,7 @@ class StepsThatEnd(StepsInFlight):
         host = torch.zeros(self.slots, 17, dtype=torch.int64)  # 16 codes, no end flag, per slot
         step = QueuedStep(seq, rows, slots, self.slots, host, DeviceEvent(0.0), DeviceEvent(self.DEVICE_S), batched)  # type: ignore[arg-type]
         self.queued.append(step)
+        self.calls.append("step")
         return step
 
     def end_all(self) -> None:
@@ -144,9 +146,18 @@ class StepsThatEnd(StepsInFlight):
         return iter(ended)
 
 
-class DecodesNothing(NoAudioInFlight):
-    def decode(self, plans: Any, now: float, streams: int) -> None:
-        pass
+class AudioCalls(NoAudioInFlight):
+    """Decodes nothing; notes the launcher's calls that start decodes in `calls` (the steps' list, beside theirs)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def enqueue(self, plans: Any) -> None:
+        self.calls.append("enqueue " + ",".join(f"{p.request.request_id}#{p.index}" for p in plans))
+
+    def pump(self, now: float, streams: int) -> bool:
+        self.calls.append("pump")
+        return False
 
 
 def two_streams_stepping(
@@ -160,7 +171,7 @@ def two_streams_stepping(
     steps = StepsThatEnd(slots=8, asynchronous=asynchronous)
     stats = CoreStats()
     launcher = StepLauncher(
-        scheduler, NoRunner(), steps, pacer, DecodesNothing(),  # type: ignore[arg-type]
+        scheduler, NoRunner(), steps, pacer, AudioCalls(steps.calls),  # type: ignore[arg-type]
         stats, {}, LateChunkTrace(),
     )
     return scheduler, rows, steps, stats, launcher
@@ -193,8 +204,8 @@ def test_a_batched_steps_time_is_split_into_device_in_flight_and_the_gap_before_
 
 def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
     """`CoreStats.step_gap_by_hold`: a step read back while its streams run far ahead of their listeners waits for
-    the step clock's tick; that wait is charged to the clock up to the tick, the looks after it to the loop, and
-    the charges add up to the whole gap."""
+    the step clock's tick; the rest of the read up to its first look is charged to the read, the wait to the clock
+    up to the tick, the looks after it to the loop, and the charges add up to the whole gap."""
     pacer = StepPacer(step_period_s=0.05)
     scheduler, _, steps, stats, launcher = two_streams_stepping(pacer, pace_load=1)
     assert launcher.launch()  # the streams' first frames: not paced
@@ -208,8 +219,9 @@ def test_the_gap_before_a_batched_step_is_charged_to_what_held_it() -> None:
         looks += 1
         time.sleep(0.002)
     queued = time.perf_counter()
-    assert looks >= 5 and set(stats.step_gap_by_hold) <= {"clock", GAP_LOOP}
+    assert looks >= 5 and set(stats.step_gap_by_hold) <= {GAP_READ, "clock", GAP_LOOP}
     assert sum(stats.step_gap_by_hold.values()) == pytest.approx(stats.step_gap_seconds)
+    assert 0 < stats.step_gap_by_hold[GAP_READ] < 0.2 * (tick - read)  # the bookkeeping of one frame of two rows
     assert 0.5 * (tick - read) < stats.step_gap_by_hold["clock"] <= tick - read + 1e-9  # charged up to the tick only
     assert queued >= tick
 
@@ -229,3 +241,16 @@ def test_a_step_read_back_on_a_gpu_is_followed_by_the_next_at_once(asynchronous:
     else:
         assert steps.queued == [] and stats.steps == 1
         assert launcher.launch() and len(steps.queued) == 1
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["gpu_steps", "cpu_steps"])
+def test_a_step_read_back_on_a_gpu_is_queued_before_the_codec_lanes_calls_for_its_chunks(asynchronous: bool) -> None:
+    """The chunks a step completed join the codec's queue (a new stream's first two chunks start on the early lane
+    there and then), the next step is queued, and only then does the codec lane get its calls (`pump`): their host
+    work no longer delays the step. A CPU's step ran within `launch`: `collect` pumps at once."""
+    _, _, steps, _, launcher = two_streams_stepping(StepPacer(), asynchronous=asynchronous)
+    assert launcher.launch()
+    steps.end_all()
+    assert launcher.collect()
+    chunks = "enqueue r0#0,r1#0"  # each stream's first frame completes its first chunk (the schedule's 1 frame)
+    assert steps.calls == (["step", chunks, "step", "pump"] if asynchronous else ["step", chunks, "pump"])
