@@ -518,12 +518,13 @@ class Scheduler:
 
         Requests that ended while the step was in flight (cancel, error) are skipped: their frame is dropped.
         """
+        codes = codes.copy()  # the step's host buffer is reused; each row keeps a view of this one copy
         for request, slot in zip(rows, slots, strict=True):
             if request.finish_reason is not None or request.slot is None:
                 continue
             if request.frames == 0:
                 request.first_frame = now
-            request.pending.append(codes[slot].copy())
+            request.pending.append(codes[slot])
             if self.keep_codes:
                 request.codes.append(codes[slot].tolist())
             request.frames += 1

@@ -179,6 +179,24 @@ def test_chunk_schedule_end_of_speech_and_the_last_chunk() -> None:
     assert r.finish_reason is FinishReason.EOS and r.slot is None and r in scheduler.finishing
 
 
+def test_a_chunks_codes_are_the_frames_own_after_the_steps_buffer_is_reused() -> None:
+    """The core reads each step's codes from a host buffer that a later step overwrites: the frames waiting for
+    their chunk keep their own codes, not the buffer's latest."""
+    scheduler = make_scheduler()
+    r = make_request("r", schedule=(3,))
+    start(scheduler, r, [5, 6])
+    buffer = np.zeros((SLOTS, 16), dtype=np.int64)
+    for frame in range(3):
+        rows = scheduler.runnable()
+        seq = scheduler.on_launched(rows)
+        buffer[:] = 100 + frame  # this step's codes, in the buffer the last step's were in
+        plans = scheduler.on_frame(rows, [0], buffer, np.zeros(SLOTS, dtype=np.int64), 0.01 * frame)
+        scheduler.on_step_done(seq)
+    buffer[:] = -1
+    (plan,) = plans
+    assert plan.codes[:, 0].tolist() == [100, 101, 102]
+
+
 def test_a_frame_in_flight_for_an_ended_stream_is_dropped_and_its_slot_waits_for_the_step() -> None:
     scheduler = make_scheduler(max_slots=1)
     r = make_request("r")
