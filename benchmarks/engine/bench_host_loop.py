@@ -26,7 +26,7 @@ from qwen3tts_agent.engine.scheduler import RequestState, Scheduler
 from qwen3tts_agent.engine.scheduler.requests import PromptShape
 from qwen3tts_agent.engine.types import DEFAULT_CHUNK_SCHEDULE, TextLayout
 
-STEP_S = 0.02  # the simulated clock's step period, about a loaded 0.6B step's on an H100
+STEP_S = 0.02  # the simulated clock's step period: a loaded batched step's order (docs/performance.md)
 TEXT_TOKENS = 60  # each stream's text: its runaway guard allows 505 frames, beyond any run here
 EOS_TEXT = 0
 CODEBOOKS = 16
@@ -37,7 +37,7 @@ def loaded_scheduler(rows: int) -> Scheduler:
     over the codec's decode sizes), each on a closed text."""
     scheduler = Scheduler(
         max_slots=rows, max_seq_len=2048, max_text_tokens=2048, max_prefill_rows=rows, eos_token_id=EOS_TEXT,
-        decode_sizes=(1, 2, 4, 8),
+        decode_sizes=(1, 2, 4, 8),  # `AudioPipeline.decode_sizes` under the default chunk schedule
     )
     for i in range(rows):
         request = RequestState(f"s{i}", PromptShape(TextLayout.INTERLEAVED), DEFAULT_CHUNK_SCHEDULE, submitted=0.0)
