@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 run: installs the carried wheels, builds the synthetic checkpoints, checks parity, benchmarks the
 # engine and the peers on the same checkpoints. Usage (from the repo root, wheels in .whl/ from
-# benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...
+# benchmarks/fetch_wheels.sh):  bash benchmarks/run_h200.sh OUT_DIR STAGE...  (benchmarks/device_ab.sh runs cases of one
+# stage, e.g. a tree against a BASELINE_PACKAGE, one after another in one call)
 # Stages: smoke, sweep, kernels, codec-profile (a graphed codec call's kernels by kind, CODEC_SHAPES="1x1,16x8", CODEC_TAG),
 # kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against PyTorch; KERNEL_TESTS names other test files,
 # e.g. "tests/kernels/test_conv_epilogue_kernel.py tests/kernels/test_history_kernel.py": the whole suite takes ~6.5 min on an H100),
