@@ -66,17 +66,18 @@ class GraphedCodecDecode:
     def can_decode(self, b: int, t: int) -> bool:
         return b <= self.batch_buckets[-1] and bool(split_frames(t, self.frame_sizes))
 
-    def decode(self, slots: list[int], codes: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: list[int] | torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Like `StreamingCodecDecoder.decode` for live slots: one replay per piece of `split_frames`.
 
         The streaming decoder gives the same audio however a chunk is cut, so a chunk of a length without a
         graph (the last one of a stream, say) is decoded in graphed pieces rather than eagerly. Returns a view
-        of a static buffer when the chunk is one piece.
+        of a static buffer when the chunk is one piece. `slots` may already be on the device (int64), as the
+        pipeline uploads them with the codes.
         """
         b = codes.shape[0]
         bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
         self._slots[:bucket].copy_(self._scratch[:bucket])
-        self._slots[:b].copy_(upload(slots, torch.int64, self._slots.device))
+        self._slots[:b].copy_(slots if isinstance(slots, torch.Tensor) else upload(slots, torch.int64, self._slots.device))
         pieces, start = [], 0
         sizes = split_frames(codes.shape[1], self.frame_sizes)
         for t in sizes:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..messages import PromptSpec
-from ..runner import LanePriorities, power_of_two_buckets, upload
+from ..runner import LanePriorities, power_of_two_buckets, upload, upload_together
 from ..scheduler import ChunkPlan, CodecQueue
 from .codec import StreamingCodecDecoder
 from .codec_graphs import GraphedCodecDecode
@@ -400,12 +400,12 @@ class AudioPipeline:
                 ready = self._ready.pop(plan.request.request_id, None)
                 if ready is not None and stream is not None and not early:
                     stream.wait_event(ready)
-            device_codes = upload(codes, torch.int64, self.device)
+            device_slots, device_codes = upload_together([(slots, torch.int64), (codes, torch.int64)], self.device)
             graphs = self._early_graphs if early else self._graphs
             if graphs is not None and graphs.captured and graphs.can_decode(len(slots), n_frames):
-                pcm = graphs.decode(slots, device_codes)
+                pcm = graphs.decode(device_slots, device_codes)
             else:
-                pcm = self.codec.decode(slots, device_codes)
+                pcm = self.codec.decode(device_slots, device_codes)
             host = torch.empty(pcm.shape, dtype=torch.float32, pin_memory=self.device.type == "cuda")
             host.copy_(pcm, non_blocking=True)
             event = None

@@ -17,7 +17,7 @@ from .cuda_graphs import (
     power_of_two_buckets,
     split_frames,
 )
-from .host import upload
+from .host import upload, upload_together
 from .lanes import LanePriorities
 from .prefill import MAX_PREFILL_ROWS, Prefills, prefix_store_options
 from .prompt import PrefillRow, PromptBuilder
@@ -56,4 +56,5 @@ __all__ = [
     "prefix_store_options",
     "split_frames",
     "upload",
+    "upload_together",
 ]

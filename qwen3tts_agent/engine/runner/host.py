@@ -3,19 +3,48 @@
 CUDA copies from pageable host memory synchronise the stream first, which would make the engine thread
 wait for the frame in flight; staging through pinned memory keeps the copy asynchronous. PyTorch's pinned
 allocator holds a staging block until its copy has run, so callers may drop the host data at once.
+
+Each upload costs the core's thread far more than its bytes (a pinned block from PyTorch's caching host
+allocator, an event, the copy's launch: 0.1-0.2 ms a call on a loaded H100 host, docs/performance.md), so the
+small arrays one operation needs go up together (`upload_together`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
+HostData: TypeAlias = Sequence[float] | np.ndarray | torch.Tensor
 
-def upload(data: Sequence[float] | np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+# Each array's bytes start at a multiple of this in `upload_together`'s buffer, so every dtype can view its own.
+_ALIGN = 8
+
+
+def upload(data: HostData, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`data` as a tensor of `dtype` on `device`, copied asynchronously when `device` is a GPU."""
     host = torch.as_tensor(data, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload_together(parts: Sequence[tuple[HostData, torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Each `(data, dtype)` of `parts` as a tensor on `device`, all in one `upload`: their bytes packed into one
+    host buffer, each at an aligned offset, and each result a view of its bytes in the device's copy."""
+    hosts = [torch.as_tensor(data, dtype=dtype).contiguous() for data, dtype in parts]
+    offsets, size = [], 0
+    for host in hosts:
+        size = -(-size // _ALIGN) * _ALIGN
+        offsets.append(size)
+        size += host.numel() * host.element_size()
+    packed = torch.empty(size, dtype=torch.uint8)
+    for host, offset in zip(hosts, offsets, strict=True):
+        packed[offset : offset + host.numel() * host.element_size()] = host.reshape(-1).view(torch.uint8)
+    copied = upload(packed, torch.uint8, device)
+    return [
+        copied[offset : offset + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+        for host, offset in zip(hosts, offsets, strict=True)
+    ]

@@ -23,7 +23,7 @@ import torch
 from ...kernels import decode_layer, gemv
 from ...kernels import frame as frame_kernels
 from ...models.compat import OfficialModule
-from .host import upload
+from .host import upload, upload_together
 from .kernel_paths import TRITON_PATH, choose_kernel_paths
 from .layers import FusedDecoderLayer, rope_tables
 from .prompt import PrefillRow
@@ -199,8 +199,10 @@ class ModelRunner:
             "do_sample": bool(sampling["do_sample"]), "sub_do_sample": bool(sampling["subtalker_do_sample"]),
             "forbid_eos": bool(sampling["ignore_eos"]),
         }
-        for table, names in ((self._slot_ints, _INT_FIELDS), (self._slot_floats, _FLOAT_FIELDS), (self._slot_flags, _FLAG_FIELDS)):
-            table[:, slot] = upload([fields[name] for name in names], table.dtype, self.device)
+        tables = ((self._slot_ints, _INT_FIELDS), (self._slot_floats, _FLOAT_FIELDS), (self._slot_flags, _FLAG_FIELDS))
+        columns = upload_together([([fields[name] for name in names], table.dtype) for table, names in tables], self.device)
+        for (table, _), column in zip(tables, columns, strict=True):
+            table[:, slot] = column
         self.seen[slot].zero_()
 
     @torch.inference_mode()
@@ -415,12 +417,10 @@ class ModelRunner:
             write_pos[i, :t] = torch.arange(r.start, r.start + t)
             last[i] = t - 1
             embeds[i, :t] = r.embeds
-        return (
-            embeds,
-            upload(slots, torch.int64, self.device),
-            upload(write_pos, torch.int64, self.device),
-            upload(last, torch.int64, self.device),
+        slot_ids, positions, last_ids = upload_together(
+            [(slots, torch.int64), (write_pos, torch.int64), (last, torch.int64)], self.device
         )
+        return embeds, slot_ids, positions, last_ids
 
     def prefill_forward(
         self, embeds: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, last: torch.Tensor, *, kv_len: int
@@ -438,11 +438,14 @@ class ModelRunner:
     def finish_prefill(self, rows: Sequence[PrefillRow], last_hidden: torch.Tensor) -> None:
         """Advance the slots' positions; rows that end their prompt sample their first codebook-0 token."""
         n = len(rows)
-        slots = upload([r.slot for r in rows], torch.int64, self.device)
-        self.pos[slots] = upload([r.start + r.embeds.shape[0] for r in rows], torch.int64, self.device)
+        slots, ends, act = upload_together([
+            ([r.slot for r in rows], torch.int64),
+            ([r.start + r.embeds.shape[0] for r in rows], torch.int64),
+            ([r.sample for r in rows], torch.bool),
+        ], self.device)
+        self.pos[slots] = ends
         if not any(r.sample for r in rows):
             return
-        act = upload([r.sample for r in rows], torch.bool, self.device)
         hidden = last_hidden[:n]
         self._record_code0(self.codec_head(hidden), slots, act, hidden, frame=False)
 
