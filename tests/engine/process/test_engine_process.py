@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
+from qwen3tts_agent.engine.messages import ChunkOutput
 from qwen3tts_agent.engine.process import CoreLaunch, EngineClient, EngineProcess, core_server, ipc
 from qwen3tts_agent.engine.process.core_server import CoreServer, HostedEngine, cpu_pool_default
 from qwen3tts_agent.engine.process.launch import (
@@ -25,6 +26,7 @@ from qwen3tts_agent.engine.process.launch import (
     fresh_core_address,
     remove_stale_socket_files,
 )
+from qwen3tts_agent.engine.types import ChunkTimings
 from qwen3tts_agent.errors import (
     EngineDeadError,
     EngineNotReadyError,
@@ -388,3 +390,15 @@ def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytes
         client.close()
         server.stop()
         engine.close()
+
+
+def test_a_chunk_crosses_the_wire_with_its_audio_frames_and_every_timing() -> None:
+    timings = ChunkTimings(1.5, 2.25, 3.125, 4.0625, admitted=1.75, arrived=1.25)
+    pcm = np.linspace(-1.0, 1.0, 3840, dtype=np.float32)
+    output = ChunkOutput("worker-1:req-7", pcm, 8, 16, True, timings)
+    kind, header, payload = ipc.encode_chunk(output, "req-7")
+    assert kind == ipc.CHUNK
+    received = ipc.decode_chunk(header, payload)
+    assert received.request_id == "req-7" and (received.frame_start, received.frame_end, received.is_last) == (8, 16, True)
+    assert received.timings == timings
+    assert np.array_equal(received.pcm, pcm) and received.pcm.dtype == np.float32
