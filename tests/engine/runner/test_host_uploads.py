@@ -12,7 +12,8 @@ CPU = torch.device("cpu")
 
 
 def test_each_part_comes_back_with_its_values_dtype_and_shape_whatever_its_neighbours_sizes() -> None:
-    """Parts of odd byte lengths in a row (3 bools, 5 float32s, 1 int64): each later one still starts aligned."""
+    """Parts of odd byte lengths in a row (3 bools, 5 float32s, 1 int64): each later one still starts at a 16-byte
+    boundary."""
     parts: list[tuple[HostData, torch.dtype]] = [
         ([True, False, True], torch.bool),
         ([0.5, -1.25, 3.0, 1e-3, 7.5], torch.float32),
@@ -27,6 +28,7 @@ def test_each_part_comes_back_with_its_values_dtype_and_shape_whatever_its_neigh
         expected = torch.as_tensor(data, dtype=dtype)
         assert result.dtype == dtype and result.shape == expected.shape
         assert torch.equal(result, expected)
+        assert result.storage_offset() * result.element_size() % 16 == 0  # as aligned as a fresh tensor for kernels
 
 
 def test_empty_parts_and_scalars_keep_their_shapes() -> None:
