@@ -36,16 +36,13 @@ def upload_together(parts: Sequence[tuple[HostData, torch.dtype]], device: torch
     """Each `(data, dtype)` of `parts` as a tensor on `device`, all in one `upload`: their bytes packed into one
     host buffer, each at an aligned offset, and each result a view of its bytes in the device's copy."""
     hosts = [torch.as_tensor(data, dtype=dtype).contiguous() for data, dtype in parts]
-    offsets, size = [], 0
+    spans, size = [], 0
     for host in hosts:
-        size = -(-size // _ALIGN) * _ALIGN
-        offsets.append(size)
-        size += host.numel() * host.element_size()
+        start = -(-size // _ALIGN) * _ALIGN
+        size = start + host.numel() * host.element_size()
+        spans.append(slice(start, size))
     packed = torch.empty(size, dtype=torch.uint8)
-    for host, offset in zip(hosts, offsets, strict=True):
-        packed[offset : offset + host.numel() * host.element_size()] = host.reshape(-1).view(torch.uint8)
+    for host, span in zip(hosts, spans, strict=True):
+        packed[span] = host.reshape(-1).view(torch.uint8)
     copied = upload(packed, torch.uint8, device)
-    return [
-        copied[offset : offset + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
-        for host, offset in zip(hosts, offsets, strict=True)
-    ]
+    return [copied[span].view(host.dtype).view(host.shape) for host, span in zip(hosts, spans, strict=True)]
