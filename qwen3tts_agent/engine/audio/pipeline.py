@@ -57,6 +57,12 @@ CODEC_LANE_DEPTH = 2
 # Codec-lane chunks of one length that go at once rather than wait for more to batch with: a graphed call of
 # this many costs little more per frame than the largest (docs/performance.md, "the codec hold at 80 req/s").
 GOOD_CODEC_BATCH = 32
+# The largest graph of the codec lane: at most this many chunks (more due at once go in several calls) of at most
+# this many frames (a longer chunk is decoded in graphed pieces, which the streaming decoder makes exact). Past a
+# few dozen chunks a call costs little less a frame, while a graph's work space grows with its rows × frames: one
+# graph for every slot ran out of memory at start with 16-frame chunks (docs/gpu.md, "The codec beside the steps").
+CODEC_LANE_MAX_BATCH = 64
+CODEC_GRAPH_MAX_FRAMES = 16
 # A waiting codec-lane chunk is decoded at the latest once its listener would run out of audio within this
 # long: room for a decode queued behind another on a loaded device, and for the delivery after it.
 LAUNCH_SLACK_S = 0.15
@@ -77,6 +83,18 @@ def _wait(pending: Pending) -> None:
         pending.result()
     elif pending is not None:
         pending.synchronize()
+
+
+def codec_lane_buckets(max_streams: int) -> list[int]:
+    """The batches the codec lane's graphs decode for an engine of `max_streams`: powers of two up to
+    `CODEC_LANE_MAX_BATCH` (or the streams, where fewer)."""
+    return power_of_two_buckets(min(CODEC_LANE_MAX_BATCH, max_streams))
+
+
+def codec_lane_frames(chunk_schedule: Sequence[int]) -> tuple[int, ...]:
+    """The chunk lengths the codec lane's graphs decode in one replay: the schedule's, and 1, 2, 4 and 8 (so that
+    any chunk, a stream's shorter last one too, goes in a few pieces), up to `CODEC_GRAPH_MAX_FRAMES`."""
+    return tuple(sorted(size for size in {*chunk_schedule, 1, 2, 4, 8} if size <= CODEC_GRAPH_MAX_FRAMES))
 
 
 def cpu_thread_split(threads: int) -> tuple[int, int]:
@@ -173,9 +191,11 @@ class AudioPipeline:
         elif device.type == "cpu" and overlap and codec_threads:
             self._thread = CodecThread(codec_threads)
         early_rows = min(EARLY_LANE_ROWS, max_streams) if self._early_stream is not None else 0
+        lane_buckets = codec_lane_buckets(max_streams)
+        lane_rows = lane_buckets[-1]  # the codec lane's largest graphed call
         # live codec slots [0, 2M); with graphs, scratch rows above them pad a call up to its graph's batch
         live = 2 * max_streams
-        self.codec = make_codec(decoder, max_streams=live + (max_streams + early_rows if graphed else 0))
+        self.codec = make_codec(decoder, max_streams=live + (lane_rows + early_rows if graphed else 0))
         self._free_slots = list(range(live))  # codec slots no request owns (their last decode may be pending)
         self._last_use: dict[int, Pending] = {}  # codec slot -> its last decode's completion
         self._slot_of: dict[str, int] = {}  # request id -> its codec slot
@@ -185,9 +205,9 @@ class AudioPipeline:
         self._early_lane_done: torch.cuda.Event | None = None  # the early lane's last decode
         # codec-lane chunks not yet launched; with graphs, a call takes at most the largest graphed batch
         self.queue = CodecQueue(
-            max_batch=power_of_two_buckets(max_streams)[-1] if graphed else 2 * max_streams,
+            max_batch=lane_rows if graphed else 2 * max_streams,
             hold_s=hold_s, launch_slack_s=LAUNCH_SLACK_S, good_batch=GOOD_CODEC_BATCH,
-            batch_sizes=power_of_two_buckets(max_streams) if graphed else (),  # the codec graphs' batches
+            batch_sizes=lane_buckets if graphed else (),  # the codec graphs' batches
         )
         self._decoding: collections.deque[_Decoding] = collections.deque()
         self._early_decoding: collections.deque[_Decoding] = collections.deque()
@@ -196,12 +216,11 @@ class AudioPipeline:
         # chunk lengths one codec call decodes (one graph replay); other lengths run as several pieces
         self.decode_sizes: tuple[int, ...] = ()
         if graphed:
-            schedule = set(chunk_schedule)
-            self.decode_sizes = tuple(sorted(schedule | {1, 2, 4, 8}))
-            self._graphs = GraphedCodecDecode(self.codec, live, power_of_two_buckets(max_streams), self.decode_sizes)
+            self.decode_sizes = codec_lane_frames(chunk_schedule)
+            self._graphs = GraphedCodecDecode(self.codec, live, lane_buckets, self.decode_sizes)
             if early_rows:
                 self._early_graphs = GraphedCodecDecode(
-                    self.codec, live + max_streams, power_of_two_buckets(early_rows), set(chunk_schedule[:EARLY_CHUNKS]),
+                    self.codec, live + lane_rows, power_of_two_buckets(early_rows), set(chunk_schedule[:EARLY_CHUNKS]),
                     name="early-lane codec",
                 )
 

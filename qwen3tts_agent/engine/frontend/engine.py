@@ -85,7 +85,9 @@ def slot_bytes(model: OfficialModule, max_seq_len: int) -> int:
     talker_kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (max_seq_len + 1) * head_dim
     predictor_kv = 2 * pcfg.num_hidden_layers * pcfg.num_key_value_heads * 16 * p_head_dim
     text_track = max_seq_len * cfg.hidden_size
-    codec_state = 3 * 8 * 2**20 // itemsize  # three codec slots a stream (its own and two graph scratch rows)
+    # a stream's two codec slots (a new stream takes one whose last decode is done), and a third's worth for the codec
+    # graphs' scratch rows (a few dozen whatever the streams: `audio.pipeline.CODEC_LANE_MAX_BATCH`) and work space
+    codec_state = 3 * 8 * 2**20 // itemsize
     return int(itemsize * (talker_kv + predictor_kv + text_track + codec_state))
 
 

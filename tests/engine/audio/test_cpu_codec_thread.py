@@ -15,8 +15,17 @@ import torch
 
 from qwen3tts_agent import SamplingParams, TextLayout, Voice
 from qwen3tts_agent.backends.cpu.runner import CpuRunner
-from qwen3tts_agent.engine.audio.pipeline import AudioPipeline, CodecThread, cpu_thread_split
+from qwen3tts_agent.engine.audio.pipeline import (
+    CODEC_GRAPH_MAX_FRAMES,
+    CODEC_LANE_MAX_BATCH,
+    AudioPipeline,
+    CodecThread,
+    codec_lane_buckets,
+    codec_lane_frames,
+    cpu_thread_split,
+)
 from qwen3tts_agent.engine.messages import PromptSpec
+from qwen3tts_agent.engine.runner import split_frames
 from qwen3tts_agent.engine.scheduler import ChunkPlan, PromptShape, RequestState
 from tests.engine.audio.test_codec_streaming import tiny_decoder
 from tests.engine_helpers import REF_TEXT, TEXT, engine_for, reference_audio, xvector_voice
@@ -250,3 +259,19 @@ def test_a_step_waits_for_a_first_chunk_near_the_end_of_its_decode() -> None:
         tiny_decoder(), device=torch.device("cpu"), max_streams=2, chunk_schedule=(1, 2), graphed=False, overlap=False,
     )
     assert without_thread.wait_for_first_audio(5.0, older_than_s=0.0) is False
+
+
+def test_the_codec_lanes_largest_call_is_bounded_whatever_the_streams_and_the_schedule() -> None:
+    """A graphed codec-lane call decodes at most `CODEC_LANE_MAX_BATCH` chunks: its graphs (and their scratch rows)
+    stop there however many streams the engine has, and fewer streams stop them sooner. Its chunk lengths stop at
+    `CODEC_GRAPH_MAX_FRAMES` whatever the schedule (longer chunks go in pieces), and still cut any chunk up."""
+    assert codec_lane_buckets(240) == [1, 2, 4, 8, 16, 32, CODEC_LANE_MAX_BATCH]
+    assert codec_lane_buckets(512)[-1] == CODEC_LANE_MAX_BATCH
+    assert codec_lane_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert codec_lane_buckets(1) == [1]
+    assert codec_lane_frames((1, 2, 4, 8)) == (1, 2, 4, 8)
+    assert codec_lane_frames((3, 12)) == (1, 2, 3, 4, 8, 12)
+    assert codec_lane_frames((1, 2, 4, 8, 16, 64)) == (1, 2, 4, 8, CODEC_GRAPH_MAX_FRAMES)
+    assert split_frames(64, codec_lane_frames((1, 2, 4, 8, 16, 64))) == [16] * 4
+    for length in range(1, 65):
+        assert sum(split_frames(length, codec_lane_frames((5, 40)))) == length
