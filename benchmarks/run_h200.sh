@@ -7,7 +7,9 @@
 # kernel-tests (pytest -m gpu tests/kernels: the compiled kernels against PyTorch; KERNEL_TESTS names other test files,
 # e.g. "tests/kernels/test_conv_epilogue_kernel.py tests/kernels/test_history_kernel.py": the whole suite takes ~6.5 min on an H100),
 # timeline (where a 0.6B frame's time goes), first-audio (where one stream's first audio goes on every lane,
-# and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes), parity,
+# and the one-frame codec graph: benchmarks/engine/first_audio_timeline.py), loop (where a live stream's frame period goes),
+# loaded-timeline (CUPTI over a loaded engine: a batched step's kernels, gaps and the other lanes' overlap;
+# benchmarks/engine/loaded_timeline.py; LOADED_MODEL, LOADED_RATE, LOADED_ARGS, LOAD_TAG), parity,
 # parity-1.7b (fp32), parity-odd (fp32, checkpoints in shapes no released model has, one per model type,
 # and one whose predictor the kernels refuse), engine-0.6b, engine-1.7b, single-0.6b (one stream only), peers-0.6b, peers-1.7b,
 # budget-1.7b and budget-0.6b (the device time one utterance costs a loaded engine, by part:
@@ -144,6 +146,8 @@ for stage in "$@"; do
     codec-profile) official -m benchmarks.kernels.profile_codec ${CODEC_SHAPES:+--shapes $CODEC_SHAPES} \
                      --out "$out/codec-profile${CODEC_TAG:-}.json" 2>&1 | tee "$out/codec-profile${CODEC_TAG:-}.log" ;;
     timeline) official -m benchmarks.engine.frame_timeline --model synthetic:0.6b --out "$out/timeline-b1.json" 2>&1 | tee "$out/timeline.log" ;;
+    loaded-timeline) official -m benchmarks.engine.loaded_timeline --model ${LOADED_MODEL:-synthetic:0.6b} --rate ${LOADED_RATE:-120} \
+                       ${LOADED_ARGS:-} --out "$out/loaded-timeline${LOAD_TAG:-}.json" 2>&1 | tee "$out/loaded-timeline${LOAD_TAG:-}.log" ;;
     loop) official -m benchmarks.engine.loop_timeline --model synthetic:0.6b --out "$out/loop-timeline.json" 2>&1 | tee "$out/loop-timeline.log" ;;
     # 205 frames: at least 200, and the last chunk (6 frames) decodes in two graphed pieces
     parity) official -m benchmarks.engine.gpu_parity --model synthetic:0.6b --frames 205 ${PARITY_DTYPES:+--dtypes $PARITY_DTYPES} \
