@@ -72,7 +72,9 @@ def union_us(spans: list[tuple[float, float]], start: float, end: float) -> floa
 
 def step_rows(events: list[dict[str, Any]]) -> list[dict[str, float]]:
     """Per step on a steps' stream (its kernels up to the frame's last one): its span, kernel count, its own
-    kernels' time, the gaps between them, and the time within its span that codec and other kernels ran."""
+    kernels' time, the gaps between them, and the time within its span that codec and other kernels ran. Under
+    programmatic dependent launch a step's next kernel starts before the last has ended, so the gaps may read
+    negative: overlap the step's own kernels made."""
     kinds = stream_kinds(events)
     kernels = [e for e in events if e["kind"] == "kernel"]
     by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
