@@ -110,7 +110,8 @@ SLOW_CONNECTIONS = 4  # connections of one slowloris unit
 TRICKLE_S = 0.5  # a slowloris client's pause between bytes
 CLOSE_SLACK_S = 5.0  # a deadline on the server may be this late (a busy event loop) before its client calls it hung
 # A slow connection's read deadline starts when an API worker's loop accepts it; its client counts from its connect,
-# which the kernel completes from the listen backlog before that (on two loaded CPU cores, a CI run once saw 0.4 s)
+# which the kernel completes from the listen backlog before that (on two loaded CPU cores, later by a fraction of a
+# second: enough, once, to fail a check that allowed the read timeout and CLOSE_SLACK_S alone)
 ACCEPT_SLACK_S = 3.0
 REFUSALS = ("busy", "not_ready")  # error codes that refuse a request, for a client to retry shortly
 HANDSHAKE_REFUSED = "handshake_503"  # a good client's session refused at its handshake (busy or not ready)
