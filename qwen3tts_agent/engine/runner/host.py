@@ -5,8 +5,8 @@ wait for the frame in flight; staging through pinned memory keeps the copy async
 allocator holds a staging block until its copy has run, so callers may drop the host data at once.
 
 Each upload costs the core's thread far more than its bytes (a pinned block from PyTorch's caching host
-allocator, an event, the copy's launch: 0.1-0.2 ms a call on a loaded H100 host, docs/performance.md), so the
-small arrays one operation needs go up together (`upload_together`).
+allocator, an event, the copy's launch; docs/performance.md has the profile), so the small arrays one operation
+needs go up together (`upload_together`).
 """
 
 from __future__ import annotations
