@@ -39,8 +39,12 @@ def test_the_load_benchmark_profiles_the_core_and_each_api_worker(tmp_path: Path
     [run] = json.loads(out.read_text())["runs"]
     assert run["completed"] > 0 and run["errors"] == {}
     processes = run["profile"]["processes"]
-    assert set(processes) == {"serve", "core", "worker-1", "worker-2"}, processes
+    assert set(processes) == {"serve", "core", "core-gil", "worker-1", "worker-2"}, processes
     engine = processes["core"]["threads"]["qwen3tts-engine"]  # the step loop, with where its time went
     assert engine["samples"] > 100 and engine["self"]
+    # how much of the window it held the GIL: some (it ran Python), not all (it waits for work, and the model's
+    # PyTorch maths runs without it)
+    assert 0.0 < engine["holding_gil"] < 1.0
+    assert processes["core-gil"]["threads"]["qwen3tts-engine"]["samples"] < engine["samples"]
     assert all(processes[w]["samples"] > 0 for w in ("worker-1", "worker-2"))
     assert (Path(run["profile"]["raw_dir"]) / "core.raw").stat().st_size > 0

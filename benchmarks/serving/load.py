@@ -37,7 +37,8 @@ The server's own metrics (late chunks, underrun seconds, errors) are scraped aft
 limit with the engine's streams every half second through it (`stream_limit_samples`: when late chunks cut it, how
 low, from how many streams). With `--profile SECONDS` (a server started here, py-spy installed), the engine core
 and every API worker are sampled from the window's start (`benchmarks/serving/profiling.py`): where each thread's
-time went goes into the report, the raw stacks into `--profile-dir`.
+time went, and how much of it each of the core's threads held the GIL, go into the report, the raw stacks into
+`--profile-dir`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ waits shows where it waits), and puts a summary of each into the report: per thr
 samples in each function at the top of the stack (self) and anywhere on it (inclusive). The raw files stay
 beside the report for flame graphs. The engine core is told apart from the API workers by its size: it is
 the process of the tree that holds the model.
+
+The core is sampled twice, the second time only while a thread holds the GIL (`core-gil`): each of its threads'
+`holding_gil` share says how much of the time the thread held it. A thread in Python code that does not hold the
+GIL is waiting for it, so a function's self samples in the two profiles tell its GIL waits apart (the core's
+engine thread shares the GIL with its I/O thread, which forwards every output to the API workers).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import psutil
 
 SAMPLE_RATE_HZ = 200
+GIL_SUFFIX = "-gil"  # the core's second profile, of the threads holding the GIL
 TOP_FUNCTIONS = 12
 _THREAD = re.compile(r"^thread \(\w+\): ?(.*)$")
 _LINE_NUMBER = re.compile(r":\d+\)$")
@@ -41,16 +47,20 @@ def serve_processes(server_pid: int) -> dict[str, int]:
 
 
 def start(processes: dict[str, int], seconds: float, out_dir: Path, py_spy: str) -> dict[str, subprocess.Popen[bytes]]:
-    """Start sampling every process for `seconds`; raw stacks go to `out_dir/<name>.raw`."""
+    """Start sampling every process for `seconds`, and the core a second time only while its threads hold the GIL
+    (`core-gil`); raw stacks go to `out_dir/<name>.raw`."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    recordings = [(name, pid, "--idle") for name, pid in processes.items()]
+    if "core" in processes:
+        recordings.append((f"core{GIL_SUFFIX}", processes["core"], "--gil"))
     return {
         name: subprocess.Popen(
-            [py_spy, "record", "--nonblocking", "--format", "raw", "--threads", "--idle", "--rate",
+            [py_spy, "record", "--nonblocking", "--format", "raw", "--threads", which, "--rate",
              str(SAMPLE_RATE_HZ), "--duration", str(max(1, round(seconds))), "--pid", str(pid),
              "--output", str(out_dir / f"{name}.raw")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
-        for name, pid in processes.items()
+        for name, pid, which in recordings
     }
 
 
@@ -69,6 +79,10 @@ def finish(recorders: dict[str, subprocess.Popen[bytes]], out_dir: Path, timeout
             report[name] = {"error": stderr.decode(errors="replace").strip()[-500:] or f"exit {recorder.returncode}"}
             continue
         report[name] = summarize(raw.read_text(errors="replace").splitlines())
+    holding = report.get(f"core{GIL_SUFFIX}", {}).get("threads")
+    for thread, summary in report.get("core", {}).get("threads", {}).items():
+        if holding is not None:  # the same rate and window: sample counts compare
+            summary["holding_gil"] = round(holding.get(thread, {}).get("samples", 0) / summary["samples"], 4)
     return report
 
 

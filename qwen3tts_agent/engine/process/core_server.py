@@ -120,7 +120,7 @@ class CoreServer:
         time.sleep(min(timeout, 0.2))
 
     # ----------------------------------------------------------------- outputs (the core's thread)
-    def _push(self, frames: list[bytes]) -> None:
+    def _push(self, frames: list[bytes | memoryview]) -> None:
         socket = getattr(self._local, "socket", None)
         if socket is None:
             socket = self._context.socket(zmq.PUSH)

@@ -392,13 +392,34 @@ def test_a_client_refuses_and_admits_as_soon_as_its_core_does(monkeypatch: pytes
         engine.close()
 
 
+def test_chunks_past_zeromqs_copy_threshold_arrive_whole(tmp_path) -> None:
+    """A chunk's PCM goes to the socket as the array itself (`ipc.encode_chunk`); from 64 KiB ZeroMQ sends it without
+    a copy, holding the array until the message has left. 16-frame chunks (120 KiB) through a real `CoreServer` and
+    `EngineClient` carry exactly the audio the same engine hands an in-process stream."""
+    engine = HostedEngine(official_model("synthetic:tiny"), backend="torch", max_streams=2, chunk_schedule=(16,), adapt_chunks=False)
+    server = CoreServer(engine, f"ipc://{tmp_path}/core.sock")
+    server.start()
+    client = EngineClient.connect(server.address, timeout=60)
+    try:
+        sampling = SamplingParams.greedy(max_frames=32, ignore_eos=True)
+        voice = Voice(prompt=engine.create_voice(reference_audio(), None, x_vector_only=True))
+        local = [c.pcm for c in engine.open_stream(TEXT, voice=voice, sampling=sampling).chunks(timeout=120)]
+        remote = [c.pcm for c in client.open_stream(TEXT, voice=voice, sampling=sampling).chunks(timeout=120)]
+        assert [len(p) for p in remote] == [len(p) for p in local] == [16 * 1920, 16 * 1920]
+        assert all(np.array_equal(r, loc) for r, loc in zip(remote, local, strict=True))
+    finally:
+        client.close()
+        server.stop()
+        engine.close()
+
+
 def test_a_chunk_crosses_the_wire_with_its_audio_frames_and_every_timing() -> None:
     timings = ChunkTimings(1.5, 2.25, 3.125, 4.0625, admitted=1.75, arrived=1.25)
     pcm = np.linspace(-1.0, 1.0, 3840, dtype=np.float32)
     output = ChunkOutput("worker-1:req-7", pcm, 8, 16, True, timings)
     kind, header, payload = ipc.encode_chunk(output, "req-7")
     assert kind == ipc.CHUNK
-    received = ipc.decode_chunk(header, payload)
+    received = ipc.decode_chunk(header, bytes(payload))  # the bytes a receiving socket hands on
     assert received.request_id == "req-7" and (received.frame_start, received.frame_end, received.is_last) == (8, 16, True)
     assert received.timings == timings
     assert np.array_equal(received.pcm, pcm) and received.pcm.dtype == np.float32
