@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.engine.loaded_timeline import busy_shares, by_overlap, step_rows, stream_kinds
+from benchmarks.engine.loaded_timeline import busy_shares, by_overlap, host_calls, step_rows, stream_kinds
 
 LAST = "_talker_code0_kernel_0d1d2"
 
@@ -54,3 +54,25 @@ def test_busy_shares_count_each_kind_of_stream_once_over_the_recording() -> None
     assert shares["other"] == pytest.approx(50 / 2400)
     assert shares["any"] == pytest.approx((5 + 195 + 390) / 2400)  # the others ran inside the steps' kernels
     assert shares["recorded_s"] == pytest.approx(2400e-6)
+
+
+def call(name: str, tid: int, start: float, us: float) -> dict[str, Any]:
+    return {"name": name, "kind": "cuda_runtime", "stream": None, "tid": tid, "start": start, "end": start + us}
+
+
+def test_host_calls_say_per_thread_how_long_each_kind_of_call_took_and_its_share_of_the_time() -> None:
+    events = sorted(trace() + [
+        *(call("cudaLaunchKernel", 1, 100 * i, 5) for i in range(19)), call("cudaLaunchKernel", 1, 1950, 300),
+        call("cudaMemcpyAsync", 1, 600, 10), call("cudaGraphLaunch", 2, 700, 40),
+    ], key=lambda e: e["start"])
+    calls = host_calls(events)
+    assert list(calls) == ["1", "2"]  # the thread with the most calls first
+    seconds = 2400e-6  # the recording: the first event to the last
+    engine = calls["1"]
+    assert engine["busy_share"] == pytest.approx((19 * 5 + 300 + 10) / 1e6 / seconds)
+    launches = engine["calls"]["cudaLaunchKernel"]
+    assert launches["per_s"] == pytest.approx(20 / seconds)
+    assert (launches["p50_us"], launches["p99_us"], launches["max_us"]) == (5, 300, 300)  # one launch waited
+    assert list(engine["calls"]) == ["cudaLaunchKernel", "cudaMemcpyAsync"]  # costliest first
+    assert calls["2"]["calls"]["cudaGraphLaunch"]["share"] == pytest.approx(40 / 1e6 / seconds)
+    assert host_calls(trace()) == {}  # no host calls recorded

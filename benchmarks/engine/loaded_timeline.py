@@ -8,6 +8,10 @@ seconds of it with CUPTI once it has warmed up, and splits each step on the step
 time and the gaps between them, beside how much of its span the other streams' kernels overlapped: the codec
 lanes' (streams that run the codec's kernels) and the rest (the prompts' lane). Steps grouped by that overlap show
 whether it is the step's kernels that slow (sharing the SMs and the memory bandwidth) or the gaps between them.
+The host's side of the same seconds: each thread's CUDA calls (`host_calls`), how long each kind took and how
+much of the thread's time they held. A launch or an asynchronous copy that takes far longer than its usual few
+µs waited for room in the driver's queue: then the core's thread is held by the device, and py-spy shows it at
+whatever call it was making (the profile of 0.6B at 120 req/s had single copies charged ~200 µs each).
 
     python -m benchmarks.engine.loaded_timeline --model synthetic:0.6b --rate 120 --out loaded-timeline.json
 
@@ -137,6 +141,35 @@ def busy_shares(events: list[dict[str, Any]]) -> dict[str, float]:
     return shares | {"recorded_s": (end - start) / 1e6}
 
 
+def host_calls(events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """Per host thread that made CUDA calls in the recording (most calls first): the share of the recorded time it
+    spent inside them, and per kind of call (the `top` costliest) how many a second, how much of the thread's time,
+    and their p50 / p99 / longest in µs."""
+    calls = [e for e in events if e["kind"] in ("cuda_runtime", "cuda_driver")]
+    if not calls:
+        return {}
+    start = min(e["start"] for e in events)
+    seconds = (max(e["end"] for e in events) - start) / 1e6
+    by_thread: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for e in calls:
+        by_thread[e["tid"]][e["name"]].append(e["end"] - e["start"])
+    out: dict[str, Any] = {}
+    for tid, kinds in sorted(by_thread.items(), key=lambda item: -sum(len(d) for d in item[1].values())):
+        durations = {name: sorted(d) for name, d in kinds.items()}
+        costliest = sorted(durations.items(), key=lambda item: -sum(item[1]))[:top]
+        out[str(tid)] = {
+            "busy_share": sum(sum(d) for d in durations.values()) / 1e6 / seconds,
+            "calls": {
+                name: {
+                    "per_s": len(d) / seconds, "share": sum(d) / 1e6 / seconds, "p50_us": d[len(d) // 2],
+                    "p99_us": d[min(len(d) - 1, int(0.99 * len(d)))], "max_us": d[-1],
+                }
+                for name, d in costliest
+            },
+        }
+    return out
+
+
 async def profiled_load(engine: Engine, voice: Voice, rate: float, warmup_s: float, record_s: float,
                         frames: int) -> tuple[list[dict[str, Any]], dict[str, object]]:
     """Arrivals at `rate` for warm-up + recording + a tail; CUPTI records `record_s` after `warmup_s`."""
@@ -174,9 +207,15 @@ def main() -> None:
     report = {
         "model": args.model, "rate_per_s": args.rate, "max_streams": engine.max_streams, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "busy": busy_shares(events), "steps": summary(rows),
-        "batched_steps_by_overlap": by_overlap(rows, min_kernels=most // 2), "load": load, "rows": rows,
+        "batched_steps_by_overlap": by_overlap(rows, min_kernels=most // 2), "host_calls": host_calls(events),
+        "load": load, "rows": rows,
     }
     log(f"busy: {report['busy']}")
+    for tid, thread in report["host_calls"].items():
+        log(f"thread {tid}: {thread['busy_share']:.1%} in CUDA calls; " + "; ".join(
+            f"{name} {c['per_s']:.0f}/s p50 {c['p50_us']:.1f} p99 {c['p99_us']:.1f} max {c['max_us']:.0f} µs"
+            for name, c in thread["calls"].items()
+        ))
     for name, group in report["batched_steps_by_overlap"].items():
         log(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in group.items()))
     if args.out:
