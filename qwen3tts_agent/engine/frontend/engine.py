@@ -159,16 +159,18 @@ def is_out_of_memory(error: BaseException) -> bool:
     )
 
 
-def graphs_out_of_memory(max_streams: int, max_seq_len: int, per_slot: int) -> DeviceMemoryError:
+def graphs_out_of_memory(max_streams: int, max_seq_len: int, per_slot: int, *, auto: bool = False) -> DeviceMemoryError:
     """The error for a device that ran out of memory capturing the graphs of `max_streams` slots of `per_slot`
     bytes. `slots_fit` leaves a fifth of the memory for the graphs and their work space, which grow with the slots
     too: 512 slots of 0.6B at 768 positions passed it on an H100 and ran out mid-capture with CUDA's bare "out
-    of memory" (benchmarks/results/2026-12-07-h100-capacity-burst-fixed), which says nothing of what would fit."""
+    of memory" (benchmarks/results/2026-12-07-h100-capacity-burst-fixed), which says nothing of what would fit.
+    `auto`: max_streams "auto" chose the slots, so it is not advice."""
+    chosen = " (max_streams 'auto' chose them from the memory free at start)" if auto else ""
     return DeviceMemoryError(
         f"the device ran out of memory capturing the CUDA graphs for {max_streams} stream slots of {max_seq_len} "
-        f"positions (the slots take {max_streams * per_slot / 2**30:.1f} GiB, {per_slot / 2**20:.0f} MiB each, and "
-        "the graphs' work space grows with them): use fewer slots (max_streams), fewer positions a stream "
-        "(max_seq_len), or max_streams 'auto'"
+        f"positions{chosen} (the slots take {max_streams * per_slot / 2**30:.1f} GiB, {per_slot / 2**20:.0f} MiB "
+        "each, and the graphs' work space grows with them): use fewer slots (max_streams) or fewer positions a "
+        "stream (max_seq_len)" + ("" if auto else ", or max_streams 'auto'")
     )
 
 
@@ -268,6 +270,7 @@ class Engine(EngineFrontend):
             raise ValueError(f"device_share must be in (0, 1], got {device_share!r}")
         if not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive number of positions, got {max_seq_len!r}")
+        self._auto_streams = max_streams == "auto"  # for the advice of an out-of-memory error (`_capture_graphs`)
         if max_streams == "auto":
             max_streams = auto_max_streams(model, max_seq_len, device_share)
         elif not isinstance(max_streams, int) or max_streams < 1:
@@ -517,7 +520,7 @@ class Engine(EngineFrontend):
                 raise
             config = self._config
             raise graphs_out_of_memory(
-                config.max_streams, config.max_seq_len, slot_bytes(self.model, config.max_seq_len)
+                config.max_streams, config.max_seq_len, slot_bytes(self.model, config.max_seq_len), auto=self._auto_streams
             ) from error
 
     def close(self) -> None:

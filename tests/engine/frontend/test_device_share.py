@@ -103,7 +103,9 @@ def test_graphs_that_do_not_fit_say_what_the_slots_took_and_what_would_help() ->
     assert isinstance(error, DeviceMemoryError)
     assert "512 stream slots of 768 positions" in str(error)
     assert "57.5 GiB, 115 MiB each" in str(error)
-    assert "max_streams" in str(error) and "max_seq_len" in str(error)
+    assert "max_streams" in str(error) and "max_seq_len" in str(error) and "or max_streams 'auto'" in str(error)
+    chosen = graphs_out_of_memory(240, 2048, 260 * 2**20, auto=True)  # no advice to choose what chose them
+    assert "'auto' chose them" in str(chosen) and "or max_streams 'auto'" not in str(chosen)
 
 
 def test_an_engine_whose_graphs_run_out_of_memory_raises_the_error_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,8 +122,23 @@ def test_an_engine_whose_graphs_run_out_of_memory_raises_the_error_that_says_so(
         with pytest.raises(DeviceMemoryError, match="3 stream slots of 256 positions") as raised:
             engine._capture_graphs(engine.core, progress=False)
         assert isinstance(raised.value.__cause__, torch.AcceleratorError)
+        assert "or max_streams 'auto'" in str(raised.value)  # slots chosen by hand: "auto" is advice
         capture(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
         with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
             engine._capture_graphs(engine.core, progress=False)
+    finally:
+        engine.close()
+
+
+def test_slots_that_auto_chose_and_whose_graphs_do_not_fit_are_said_to_be_autos(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine.load("synthetic:tiny", device="cpu", progress=False, max_streams="auto", max_seq_len=256)
+    try:
+        def fail(progress: bool) -> None:
+            raise torch.AcceleratorError("CUDA error: out of memory")
+
+        monkeypatch.setattr(engine.core, "capture_graphs", fail)
+        with pytest.raises(DeviceMemoryError, match="'auto' chose them") as raised:
+            engine._capture_graphs(engine.core, progress=False)
+        assert "or max_streams 'auto'" not in str(raised.value)
     finally:
         engine.close()
