@@ -33,6 +33,10 @@ try:
 except ModuleNotFoundError as e:
     raise ImportError(f'{e}. The Pipecat integration needs: pip install "qwen3tts-agent[pipecat]"') from e
 
+# How long tearing the service down waits for each utterance's pump it cancelled: a pump ends at its next await,
+# so this bounds only one that ignores its cancel, which is then left behind rather than holding the pipeline.
+TEARDOWN_WAIT_S = 5.0
+
 # Qwen3-TTS names its languages in English words; regional variants fall back to the base language.
 _LANGUAGES: dict[Language, str] = {
     Language.ZH: "chinese",
@@ -383,7 +387,7 @@ class Qwen3TTSService(TTSService):
             utterance.aborted = True  # teardown: nothing left to report to
             utterance.stream.cancel()
             if utterance.pump:
-                await self.cancel_task(utterance.pump)
+                await self.cancel_task(utterance.pump, TEARDOWN_WAIT_S)
         self._streams.clear()
 
     async def cancel(self, frame: Any) -> None:

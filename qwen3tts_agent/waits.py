@@ -10,14 +10,14 @@ cancel reaches it and it cleans up as it would for any cancel. Python 3.10 has n
 cancel from a caller's that lands at the same time, so there the operation runs as a task of its own under
 `asyncio.wait`, which re-raises the caller's cancel; the operation is then cancelled, and a result it produced
 anyway goes to `discard` (an acquired lock is released, not leaked). `cancel_and_wait` stops a task and waits
-for it with a bound, so a task that ignores its cancel cannot hold up its owner.
+for it with a bound, so a task that ignores its cancel cannot hold up its owner (`cancel_all_and_wait`: several).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, TypeVar
@@ -81,11 +81,21 @@ async def cancel_and_wait(task: asyncio.Future[Any], timeout_s: float, what: str
     cancel (or cleans up forever) is left behind after `timeout_s` instead of holding its owner. An error the
     task ended with is logged here, as nobody else will look at it.
     """
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    if not done:
-        logger.warning("%s did not end within %gs of its cancel; left running", what, timeout_s)
-        return False
-    if not task.cancelled() and (error := task.exception()) is not None:
-        logger.error("%s failed", what, exc_info=error)
-    return True
+    return await cancel_all_and_wait([task], timeout_s, what)
+
+
+async def cancel_all_and_wait(tasks: Collection[asyncio.Future[Any]], timeout_s: float, what: str) -> bool:
+    """`cancel_and_wait` for several tasks at once: every one is cancelled before the wait, so a cancel of the
+    caller during it (which propagates) leaves none of them running uncancelled."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return True
+    done, pending = await asyncio.wait(set(tasks), timeout=timeout_s)
+    if pending:
+        some = f" ({len(pending)} of {len(tasks)} tasks)" if len(tasks) > 1 else ""
+        logger.warning("%s did not end within %gs of its cancel%s; left running", what, timeout_s, some)
+    for task in done:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("%s failed", what, exc_info=error)
+    return not pending

@@ -195,6 +195,32 @@ async def test_interruption_cancels_the_server_utterance_and_keeps_the_session(
     assert proxy.accepted == 1
 
 
+async def test_a_stream_cancelled_again_while_it_tears_down_still_hands_its_session_back(
+    server: RunningServer, server_engine: Engine, proxy: CountingProxy, closing: Closing  # noqa: F811
+) -> None:
+    """A barge-in cancels the stream's task; a second cancel (the agent closing too) that lands while the stream
+    waits for its sender and receiver to end must not skip handing its session back: else the session stays open
+    on the server, out of the pool, until the server's idle timeout. The second cancel comes 1, 2, ... turns of
+    the event loop after the first; some of those land inside that wait (with this LiveKit, the third and the
+    fourth did, and the session was left behind before the fix)."""
+    tts = closing(plugin(server, base_url=proxy.url, max_frames=300, ignore_eos=True))
+    for turns in range(1, 7):
+        stream = tts.stream(conn_options=NO_RETRY)
+        stream.push_text("A long answer the user is about to interrupt.")
+        stream.flush()
+        await asyncio.wait_for(stream.__anext__(), 15)
+        stream._task.cancel()  # LiveKit's own main task, as its aclose cancels it
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        stream._task.cancel()
+        await stream.aclose()
+        await async_wait_for(lambda: server_engine.stats().active_streams == 0, 3, "server utterance stopped")
+        await async_wait_for(lambda: not tts._recycling, 3, "the interrupted session back in the pool")
+        assert proxy.accepted == 1, f"a session was left behind (seen with the second cancel {turns} turns late)"
+    assert await speak(tts, "The next turn, on the same session.") > 0
+    assert proxy.accepted == 1
+
+
 async def test_errors_map_to_livekit_api_errors(server: RunningServer, closing: Closing) -> None:
     errors: list[TTSError] = []
 

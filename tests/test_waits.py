@@ -1,4 +1,4 @@
-"""`waits.bounded` and `waits.cancel_and_wait`: bounded, and a cancel of the caller is never lost, in both of
+"""`waits.bounded` and `waits.cancel_and_wait` (`cancel_all_and_wait`): bounded, and a cancel of the caller is never lost, in both of
 `bounded`'s ways (`asyncio.timeout` on 3.11+, a task under `asyncio.wait` on 3.10, run here on this Python)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from qwen3tts_agent import waits
-from qwen3tts_agent.waits import bounded, cancel_and_wait
+from qwen3tts_agent.waits import bounded, cancel_all_and_wait, cancel_and_wait
 
 
 @pytest.fixture(params=["asyncio.timeout", "task"])
@@ -120,3 +120,49 @@ async def test_cancel_and_wait_passes_the_callers_own_cancel_on() -> None:
     assert owner in done and owner.cancelled()
     release.set()
     await asyncio.wait({task}, timeout=1)
+
+
+async def test_cancel_all_and_wait_cancels_every_task_before_a_cancel_of_the_caller_can_stop_it() -> None:
+    """A caller cancelled while it waits (a LiveKit stream's teardown, cancelled again by the agent) propagates the
+    cancel, and no task it was stopping is left uncancelled: every one was cancelled before the wait."""
+    release = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await release.wait()  # its clean-up outlasts the caller's patience
+
+    tasks = [asyncio.create_task(slow_to_end()), asyncio.create_task(asyncio.sleep(60))]
+    await asyncio.sleep(0)
+    owner = asyncio.create_task(cancel_all_and_wait(tasks, 30, "two tasks"))
+    await asyncio.sleep(0.01)
+    owner.cancel()
+    done, _ = await asyncio.wait({owner}, timeout=1)
+    assert owner in done and owner.cancelled()
+    assert tasks[1].cancelled() and not tasks[0].done()  # both cancelled; the first still cleaning up
+    release.set()
+    await asyncio.wait(tasks, timeout=1)
+    assert all(task.cancelled() for task in tasks)
+
+
+async def test_cancel_all_and_wait_says_how_many_tasks_were_left_running(caplog: pytest.LogCaptureFixture) -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue
+
+    tasks = [asyncio.create_task(stubborn()), asyncio.create_task(asyncio.sleep(60))]
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.waits"):
+        assert not await cancel_all_and_wait(tasks, 0.1, "a stream's tasks")
+    assert "a stream's tasks did not end within 0.1s of its cancel (1 of 2 tasks)" in caplog.text
+    assert tasks[1].cancelled()
+    assert await cancel_all_and_wait([], 0.1, "nothing")
+    release.set()
+    await asyncio.wait({tasks[0]}, timeout=1)
+

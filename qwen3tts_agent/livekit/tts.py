@@ -18,9 +18,14 @@ from livekit.agents import (
     utils,
 )
 
+from ..waits import cancel_all_and_wait
 from . import protocol
 from .connection import Connection, server_error
 from .protocol import SessionOptions
+
+# How long a stream, or the TTS closing, waits for the tasks it cancelled to end: they end at their next await,
+# so this bounds only a task that ignores its cancel, which is then left behind rather than holding the agent.
+TEARDOWN_WAIT_S = 5.0
 
 
 class TTS(tts.TTS):
@@ -120,7 +125,7 @@ class TTS(tts.TTS):
         for stream in list(self._streams):
             await stream.aclose()
         self._streams.clear()
-        await utils.aio.cancel_and_wait(*self._recycling)
+        await cancel_all_and_wait(tuple(self._recycling), TEARDOWN_WAIT_S, "the interrupted sessions' recycling")
         await self._pool.aclose()
 
     def synthesize(
@@ -301,6 +306,10 @@ class SynthesizeStream(tts.SynthesizeStream):
             await asyncio.gather(sender, receiver)
             finished = True
         finally:
-            await utils.aio.cancel_and_wait(sender, receiver)
-            # interrupted (the agent was barged in on) or failed: the server's utterances stop right away
-            self._tts._release(conn, pooled, finished=finished)
+            try:
+                await cancel_all_and_wait((sender, receiver), TEARDOWN_WAIT_S, "a stream's sender and receiver")
+            finally:
+                # interrupted (the agent was barged in on) or failed: the server's utterances stop right away. Also
+                # when a second cancel (the agent closing too) ended the wait above: else the session would stay
+                # open on the server, out of the pool
+                self._tts._release(conn, pooled, finished=finished)
