@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -239,6 +240,61 @@ async def test_a_runner_cancelled_as_its_slot_is_granted_gives_the_slot_back(
             route.cancel()
         assert peer.received("done") == []  # it left before its utterance started
         await speaks(app)  # needs the one slot
+
+
+async def test_a_cancel_the_engine_cannot_answer_yet_does_not_hold_the_sessions_messages(
+    server_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """A client's `cancel` waits for the engine to drop its streams, at most `TEARDOWN_WAIT_S`: with the engine's
+    core held up (here by a call on its own thread), the session answers the client's next message after that
+    bound, not once the engine is back; the utterance still ends with its `done`."""
+    monkeypatch.setattr(session, "TEARDOWN_WAIT_S", 0.3)
+    incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return await incoming.get()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    def received(kind: str) -> list[dict[str, Any]]:
+        return [json.loads(m["text"]) for m in sent if m.get("text") and json.loads(m["text"])["type"] == kind]
+
+    def say(message: dict[str, Any]) -> None:
+        incoming.put_nowait({"type": "websocket.receive", "text": json.dumps(message)})
+
+    app = create_app(make_config(tmp_path, max_sessions=1), engine=server_engine)
+    release = threading.Event()
+    async with started(app):
+        route = asyncio.create_task(app(ws_scope(), receive, send))
+        try:
+            incoming.put_nowait({"type": "websocket.connect"})
+            for message in ({"type": "start", "sampling": {"max_frames": 400, "ignore_eos": True}},
+                            {"type": "text", "text": "A long answer."}, {"type": "flush"}):
+                say(message)
+            await async_wait_for(lambda: any(m["type"] == "websocket.send" and m.get("bytes") for m in sent), 30, "audio")
+            held = server_engine.core.call(lambda: release.wait(20))  # the core's loop held: no cancel is taken
+            say({"type": "cancel"})
+            say({"type": "bogus"})
+            with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.server.session"):
+                started_at = asyncio.get_running_loop().time()
+                await async_wait_for(lambda: received("error"), 5, "the answer to the next message")
+                took = asyncio.get_running_loop().time() - started_at
+            assert 0.3 <= took < 3.0 and received("error")[0]["code"] == "unknown_type"
+            assert "cancelling utterance 1 took over 0.3s; going on" in caplog.text
+            release.set()
+            held.result(timeout=10)
+            await async_wait_for(lambda: received("done"), 10, "the cancelled utterance's done")
+            assert received("done")[0]["finish_reason"] == "cancelled"
+            incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+            done, _ = await asyncio.wait({route}, timeout=ENDS_WITHIN_S)
+            assert done, "the session did not end"
+        finally:
+            release.set()
+            route.cancel()
+            await asyncio.wait({route}, timeout=ENDS_WITHIN_S)
+        await speaks(app)
 
 
 # ---------------------------------------------------------------------- real clients, a real server

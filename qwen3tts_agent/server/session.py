@@ -53,8 +53,8 @@ from .state import ServerState, SynthesisSettings
 
 logger = logging.getLogger(__name__)
 
-# How long the teardown waits for each thing it stops (the runner, an engine stream's cancel, the close of a
-# stalled client) before it logs it and goes on: the session's end never waits on them without a bound.
+# How long the teardown and a client's `cancel` wait for each thing they stop (the runner, an engine stream's cancel,
+# the close of a stalled client) before they log it and go on: neither waits on them without a bound.
 TEARDOWN_WAIT_S = 5.0
 
 
@@ -261,9 +261,11 @@ class StreamSession:
             utt.update()
             if utt.waiter is not None:
                 utt.waiter.cancel()
-        for utt in pending:
-            if utt.stream is not None and not utt.stream.done:
-                await utt.stream.acancel()
+        streams = [utt for utt in pending if utt.stream is not None and not utt.stream.done]
+        for utt in streams:  # every engine stream stops now, not each after the one before it has
+            utt.stream.cancel()
+        for utt in streams:
+            await self._bounded_step(utt.stream.acancel(), f"cancelling utterance {utt.uid}")
         return pending
 
     # ------------------------------------------------------------------ outgoing
@@ -528,7 +530,8 @@ class StreamSession:
             self._count(utt, "cancelled")
 
     async def _bounded_step(self, step: Awaitable[object], what: str) -> None:
-        """One step of the teardown: given `TEARDOWN_WAIT_S`, then logged and left behind."""
+        """One step of stopping (the teardown, a client's `cancel`): given `TEARDOWN_WAIT_S`, then logged and left
+        behind."""
         try:
             await bounded(step, TEARDOWN_WAIT_S)
         except TimeoutError:
