@@ -18,6 +18,7 @@ from .errors import (
     Qwen3TTSAgentError,
     UnknownVoiceError,
 )
+from .waits import bounded
 
 try:
     from loguru import logger
@@ -33,8 +34,9 @@ try:
 except ModuleNotFoundError as e:
     raise ImportError(f'{e}. The Pipecat integration needs: pip install "qwen3tts-agent[pipecat]"') from e
 
-# How long tearing the service down waits for each utterance's pump it cancelled: a pump ends at its next await,
-# so this bounds only one that ignores its cancel, which is then left behind rather than holding the pipeline.
+# How long the service waits for what it cancelled: an utterance's pump at teardown (it ends at its next await, so
+# this bounds only one that ignores its cancel, left behind rather than holding the pipeline), and the engine's
+# drop of a barged-in utterance before its report goes out anyway.
 TEARDOWN_WAIT_S = 5.0
 
 # Qwen3-TTS names its languages in English words; regional variants fall back to the base language.
@@ -85,7 +87,9 @@ class UtteranceReport:
     Parameters:
         context_id: The Pipecat audio context the audio went to.
         text: The text pushed to the stream.
-        result: The engine's summary: frames, finish_reason, first_audio_latency, cancel_latency, ...
+        result: The engine's summary: frames, finish_reason, first_audio_latency, cancel_latency, ... A barged-in
+            utterance the engine had not dropped within ``TEARDOWN_WAIT_S`` (its loop held up) is reported then,
+            with finish_reason None (not known yet) and no cancel_latency.
         first_audio: Seconds from opening the stream to its first chunk reaching the service.
     """
 
@@ -368,7 +372,10 @@ class Qwen3TTSService(TTSService):
         self.create_task(self._report_cancel(utterance), name="qwen3tts_cancel")
 
     async def _report_cancel(self, utterance: _Utterance) -> None:
-        await utterance.stream.acancel()  # returns once the engine has dropped the request
+        try:
+            await bounded(utterance.stream.acancel(), TEARDOWN_WAIT_S)  # once the engine has dropped the request
+        except TimeoutError:
+            logger.warning(f"{self}: the engine did not drop a cancelled utterance within {TEARDOWN_WAIT_S:g} s")
         await self._finished(utterance)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:

@@ -7,7 +7,9 @@ import collections
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,7 @@ from pipecat.tests.utils import SleepFrame, run_test
 from pipecat.transcriptions.language import Language
 
 from qwen3tts_agent import SAMPLE_RATE, Engine, SamplingParams, VoicePrompt
+from qwen3tts_agent import pipecat as qwen3tts_pipecat
 from qwen3tts_agent.errors import (
     EngineClosedError,
     UnknownVoiceError,
@@ -244,6 +247,38 @@ async def test_interruption_stops_audio_and_engine(
         type(f) for f in down[cut:] if isinstance(f, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame))
     ]
     assert playback[0] is TTSStartedFrame and playback[-1] is TTSStoppedFrame
+
+
+async def test_a_barge_in_the_engine_cannot_take_yet_is_reported_after_a_bound(
+    engine: Engine, voice: VoicePrompt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interrupted utterance's report waits for the engine to drop the stream, at most `TEARDOWN_WAIT_S`: with
+    the engine's loop held up (a call on its own thread) it goes out after that bound rather than when (if ever)
+    the engine comes back."""
+    monkeypatch.setattr(qwen3tts_pipecat, "TEARDOWN_WAIT_S", 0.3)
+    tts, reports = make_tts(engine, voice, frames=1000, chunk_schedule=(1,))
+    release = threading.Event()
+    held: list[Future[object]] = []
+    hold = threading.Timer(0.4, lambda: held.append(engine.core.call(lambda: release.wait(3.0))))
+    hold.start()
+    try:
+        await run_test(
+            tts,
+            frames_to_send=[
+                TTSSpeakFrame("This is a very long answer that the caller will talk over."),
+                SleepFrame(0.5),  # the engine's loop held from 0.4 s on, for 3 s
+                InterruptionFrame(),
+                SleepFrame(1.0),
+            ],
+        )
+        # within the run, long before the 3 s: the engine has not ended the stream, so its reason is not known yet
+        assert [(r.result.finish_reason, r.result.cancel_latency) for r in reports] == [(None, None)]
+        assert not release.is_set() and held and not held[0].done()
+    finally:
+        hold.cancel()
+        release.set()
+        for call in held:
+            call.result(timeout=10)
 
 
 @pytest.mark.parametrize(("mode", "seed"), [(TOKEN, 1), (SENTENCE, 2)])
