@@ -60,7 +60,7 @@ class _TimedClient(EngineClient):
         self.delays.append(time.perf_counter() - output.timings.ready)
 
 
-def _client(address: str, seconds: float, pipe: Connection) -> None:
+def _client(address: str, pipe: Connection) -> None:
     client = _TimedClient.connect(address, timeout=60)
     client.delays = []
     pipe.send(client._link.identity)
@@ -119,10 +119,13 @@ def drive(engine: HostedEngine, owners: list[str], args: argparse.Namespace) -> 
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float]:
+    """p50 / p95 / p99 and the mean, in µs."""
     ordered = sorted(seconds)
-    pick = lambda q: 1e6 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": round(pick(0.5), 1), "p95": round(pick(0.95), 1), "p99": round(pick(0.99), 1),
-            "mean": round(1e6 * statistics.fmean(ordered), 1)}
+
+    def at(q: float) -> float:
+        return round(1e6 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+    return {"p50": at(0.5), "p95": at(0.95), "p99": at(0.99), "mean": round(1e6 * statistics.fmean(ordered), 1)}
 
 
 def isolated_send_us(turns: int = 300) -> float:
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipes, processes = [], []
     for _ in range(args.clients):
         ours, theirs = context.Pipe()
-        process = context.Process(target=_client, args=(address, args.seconds, theirs), daemon=True)
+        process = context.Process(target=_client, args=(address, theirs), daemon=True)
         process.start()
         pipes.append(ours)
         processes.append(process)

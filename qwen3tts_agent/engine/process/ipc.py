@@ -76,8 +76,8 @@ _TIMING_FIELDS = tuple(f.name for f in fields(ChunkTimings))
 
 def encode_chunk(output: ChunkOutput, request_id: str) -> list[bytes | memoryview]:
     """A chunk's message. Its PCM goes as a view of the float32 array, not as a `bytes` copy of it: ZeroMQ copies it
-    into its message (or, from 64 KiB, sends it without a copy), and the bytes object cost the core's engine thread
-    a large share of each chunk's send (docs/performance.md)."""
+    into its message anyway (or, from 64 KiB, sends it without a copy), so the bytes object was one copy of every
+    chunk's audio too many on the core's engine thread (docs/performance.md)."""
     timings = [getattr(output.timings, name) for name in _TIMING_FIELDS]
     header = [request_id, output.frame_start, output.frame_end, output.is_last, timings]
     return [CHUNK, pack(header), np.ascontiguousarray(output.pcm, dtype=np.float32).data]
