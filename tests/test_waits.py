@@ -12,6 +12,15 @@ from qwen3tts_agent import waits
 from qwen3tts_agent.waits import bounded, cancel_all_and_wait, cancel_and_wait
 
 
+async def ignore_cancels_until(release: asyncio.Event) -> None:
+    """A task that swallows every cancel until `release` is set."""
+    while not release.is_set():
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            continue
+
+
 @pytest.fixture(params=["asyncio.timeout", "task"])
 def wait_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "task":
@@ -80,17 +89,10 @@ async def test_the_bound_cancels_the_operation_and_raises_timeout_error(wait_kin
 async def test_cancel_and_wait_gives_up_on_a_task_that_ignores_its_cancel(caplog: pytest.LogCaptureFixture) -> None:
     release = asyncio.Event()
 
-    async def stubborn() -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue
-
     polite = asyncio.create_task(asyncio.sleep(60))
     assert await cancel_and_wait(polite, 1.0, "polite") and polite.cancelled()
 
-    task = asyncio.create_task(stubborn())
+    task = asyncio.create_task(ignore_cancels_until(release))
     await asyncio.sleep(0)
     with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.waits"):
         started = asyncio.get_running_loop().time()
@@ -105,14 +107,7 @@ async def test_cancel_and_wait_gives_up_on_a_task_that_ignores_its_cancel(caplog
 async def test_cancel_and_wait_passes_the_callers_own_cancel_on() -> None:
     release = asyncio.Event()
 
-    async def stubborn() -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue
-
-    task = asyncio.create_task(stubborn())
+    task = asyncio.create_task(ignore_cancels_until(release))
     owner = asyncio.create_task(cancel_and_wait(task, 30, "the stubborn task"))
     await asyncio.sleep(0.01)
     owner.cancel()
@@ -149,14 +144,7 @@ async def test_cancel_all_and_wait_cancels_every_task_before_a_cancel_of_the_cal
 async def test_cancel_all_and_wait_says_how_many_tasks_were_left_running(caplog: pytest.LogCaptureFixture) -> None:
     release = asyncio.Event()
 
-    async def stubborn() -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue
-
-    tasks = [asyncio.create_task(stubborn()), asyncio.create_task(asyncio.sleep(60))]
+    tasks = [asyncio.create_task(ignore_cancels_until(release)), asyncio.create_task(asyncio.sleep(60))]
     await asyncio.sleep(0)
     with caplog.at_level(logging.WARNING, logger="qwen3tts_agent.waits"):
         assert not await cancel_all_and_wait(tasks, 0.1, "a stream's tasks")
