@@ -259,14 +259,14 @@ async def test_a_barge_in_the_engine_cannot_take_yet_is_reported_after_a_bound(
     tts, reports = make_tts(engine, voice, frames=1000, chunk_schedule=(1,))
     release = threading.Event()
     held: list[Future[object]] = []
-    hold = threading.Timer(0.4, lambda: held.append(engine.core.call(lambda: release.wait(3.0))))
+    hold = threading.Timer(0.25, lambda: held.append(engine.core.call(lambda: release.wait(3.0))))
     hold.start()
     try:
         await run_test(
             tts,
             frames_to_send=[
                 TTSSpeakFrame("This is a very long answer that the caller will talk over."),
-                SleepFrame(0.5),  # the engine's loop held from 0.4 s on, for 3 s
+                SleepFrame(0.5),  # the engine's loop held from 0.25 s on, for 3 s
                 InterruptionFrame(),
                 SleepFrame(1.0),
             ],
